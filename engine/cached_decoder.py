@@ -1,0 +1,126 @@
+"""A decoder with its tokenizer and its own paged KV cache, kept in step.
+
+Used for the target and for the draft model: ``feed`` runs new tokens after a
+sequence's cached past and appends their KV; rewinds go to ``cache.rewind``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Hashable, Sequence
+
+import numpy as np
+
+from .errors import InvalidRequestError, ModelLoadError, PromptTooLongError
+from .kv_cache import KVCacheCapacityError, PagedKVCache
+from .onnx_model import OnnxDecoder
+from .options import EngineConfig
+from .tokenizer import TextTokenizer
+
+
+@dataclass(frozen=True)
+class FeedRequest:
+    seq_id: Hashable
+    tokens: Sequence[int]
+    first_position: int  # absolute position of tokens[0]
+
+
+@dataclass
+class SequenceOutput:
+    logits: np.ndarray             # [S, V] one row per fed token
+    extras: dict[str, np.ndarray]  # e.g. hidden states, [S, ...] each
+
+
+class CachedDecoder:
+    """A decoder, its tokenizer and a paged KV cache sized for it, checked to agree."""
+
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.decoder = OnnxDecoder(model_dir, self.config.device, self.config.intra_op_threads)
+        self.tokenizer = TextTokenizer(model_dir)
+        vocab = self.decoder.vocab_size
+        if self.tokenizer.vocab_size > vocab:
+            raise ModelLoadError(f"tokenizer in {model_dir} has {self.tokenizer.vocab_size} tokens but the model's "
+                                 f"logits cover only {vocab}: tokenizer and model do not match")
+        config_vocab = self.decoder.config.get("vocab_size")
+        if config_vocab is not None and config_vocab != vocab:
+            raise ModelLoadError(f"config.json in {model_dir} says vocab_size={config_vocab} but the ONNX logits "
+                                 f"have {vocab} entries")
+        self.eos_token_ids = self.decoder.eos_token_ids or (
+            (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+        limit = self.config.max_context or self.decoder.max_context
+        if limit is None:
+            raise ModelLoadError(f"{model_dir}: no context limit in config.json; set EngineConfig.max_context")
+        self.max_context = int(limit)
+        self.cache = PagedKVCache(self.decoder.layers, self.config.kv_num_blocks, self.config.kv_block_size,
+                                  dtype=self.decoder.kv_dtype, sliding_window=self.config.sliding_window,
+                                  sink_tokens=self.config.sink_tokens)
+
+    def feed(self, seq_id, tokens: Sequence[int], first_position: int) -> SequenceOutput:
+        """Run ``tokens`` after one sequence's cached past; see ``feed_batch``."""
+        return self.feed_batch([FeedRequest(seq_id, tokens, first_position)])[0]
+
+    def feed_batch(self, requests: Sequence[FeedRequest]) -> list[SequenceOutput]:
+        """One model call for several sequences, each running its new tokens after its
+        own cached past; their KV is appended to the cache.
+
+        Sequences of different lengths share the call by padding: pasts are padded on the
+        right to the longest, new tokens on the right to the most, and the attention mask
+        closes every padded slot; each keeps its own position ids. Capacity for all of
+        them is checked before the model runs, so a full cache raises
+        ``KVCacheCapacityError`` without touching any sequence.
+        """
+        if len(requests) > 1 and self.decoder.io.position_ids is None:
+            # GroupQueryAttention exports derive positions from the mask and accept
+            # multi-token steps only at batch 1 (architecture.md): run them one by one.
+            return [output for r in requests for output in self.feed_batch([r])]
+        needed = sum(self.cache.blocks_needed(r.seq_id, len(r.tokens)) for r in requests)
+        if needed > self.cache.free_blocks:
+            raise KVCacheCapacityError(f"sequences {[r.seq_id for r in requests]} need {needed} KV blocks, "
+                                       f"{self.cache.free_blocks} free")
+        pasts = [self.cache.materialize(r.seq_id) for r in requests]
+        past_lens = [p[0][0].shape[2] for p in pasts]
+        new_lens = [len(r.tokens) for r in requests]
+        if min(new_lens) < 1:
+            raise ValueError("every sequence in a batch must feed at least one token")
+        batch, longest_past, most_new = len(requests), max(past_lens), max(new_lens)
+        ids = np.zeros((batch, most_new), np.int64)
+        positions = np.zeros((batch, most_new), np.int64)
+        mask = np.zeros((batch, longest_past + most_new), np.int64)
+        for i, r in enumerate(requests):
+            ids[i, : new_lens[i]] = r.tokens
+            positions[i] = r.first_position + np.minimum(np.arange(most_new), new_lens[i] - 1)
+            mask[i, : past_lens[i]] = 1
+            mask[i, longest_past : longest_past + new_lens[i]] = 1
+        if batch == 1:
+            past = pasts[0]
+        else:
+            past = []
+            for layer, geometry in enumerate(self.decoder.layers):
+                shape = (batch, geometry.num_kv_heads, longest_past, geometry.head_dim)
+                key, value = np.zeros(shape, self.decoder.kv_dtype), np.zeros(shape, self.decoder.kv_dtype)
+                for i, seq_past in enumerate(pasts):
+                    key[i, :, : past_lens[i]] = seq_past[layer][0][0]
+                    value[i, :, : past_lens[i]] = seq_past[layer][1][0]
+                past.append((key, value))
+        out = self.decoder.forward(ids, mask, positions, past)
+        outputs = []
+        for i, r in enumerate(requests):
+            new = slice(longest_past, longest_past + new_lens[i])
+            self.cache.append(r.seq_id, [k[i : i + 1, :, new] for k, _ in out.presents],
+                              [v[i : i + 1, :, new] for _, v in out.presents])
+            outputs.append(SequenceOutput(out.logits[i, : new_lens[i]],
+                                          {name: value[i, : new_lens[i]] for name, value in out.extras.items()}))
+        return outputs
+
+    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise InvalidRequestError("prompt is empty: at least one token is needed")
+        bad = [t for t in ids if not 0 <= t < self.decoder.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids out of range [0, {self.decoder.vocab_size}): {bad[:5]}")
+        if len(ids) >= self.max_context:
+            raise PromptTooLongError(f"prompt has {len(ids)} tokens; the context limit is {self.max_context}, "
+                                     "which leaves no room for a new token")
+        return ids

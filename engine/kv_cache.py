@@ -1,0 +1,354 @@
+"""A paged KV cache: per-layer block pools shared by many sequences.
+
+The decoder models take their past KV as dense ``[1, kv_heads, P, head_dim]`` tensors per
+layer. Storing that densely per sequence would make every append a reallocation and every
+speculative rewind a copy, and would not bound memory. Instead (vLLM style) every layer owns a
+pool ``[num_blocks, kv_heads, block_size, head_dim]`` and every sequence owns a *block table*:
+block ``b`` of a sequence holds ``block_size`` token slots in every layer. Layers may differ in
+geometry (e.g. Gemma's sliding vs full layers), so each layer has its own pool arrays, but a
+block id means the same token slots in all of them.
+
+Sliding window with sink tokens (StreamingLLM): once a sequence retains more than
+``sliding_window`` tokens, the oldest non-sink tokens are evicted so that what is retained is the
+first ``sink_tokens`` tokens followed by the most recent ``sliding_window - sink_tokens``. No data
+is moved: a sequence counts ``dropped`` evicted slots in *physical* slot space, so retained index
+``r`` lives at physical slot ``r`` if ``r < sink_tokens`` else ``r + dropped``. A block whose slots
+all lie in the evicted range ``[sink_tokens, sink_tokens + dropped)`` goes back to the free list
+and its table entry becomes ``None`` (a hole).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+import numpy as np
+
+from .errors import EngineError
+
+__all__ = [
+    "KVCacheCapacityError",
+    "KVCacheError",
+    "LayerGeometry",
+    "PagedKVCache",
+    "UnknownSequenceError",
+]
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    """Shape of one layer's KV: ``num_kv_heads`` heads of ``head_dim`` each."""
+
+    num_kv_heads: int
+    head_dim: int
+
+
+class KVCacheError(EngineError):
+    """Base class of every error the cache raises on purpose."""
+
+
+class KVCacheCapacityError(KVCacheError):
+    """Not enough free blocks for an append; the cache was left unchanged."""
+
+
+class UnknownSequenceError(KVCacheError, KeyError):
+    """The sequence id was never added, or has been freed."""
+
+    def __str__(self) -> str:  # KeyError would print the repr of the message
+        return str(self.args[0]) if self.args else ""
+
+
+@dataclass
+class _Seq:
+    """Bookkeeping of one sequence: physical slots ``[0, end)``, minus ``dropped`` evicted ones."""
+
+    table: list[int | None] = field(default_factory=list)
+    end: int = 0
+    dropped: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.end - self.dropped
+
+
+@dataclass(frozen=True)
+class _AppendPlan:
+    """What an append of ``n`` tokens would do, computed before anything is mutated."""
+
+    end: int                 # physical end after the append
+    dropped: int             # evicted count after the append (window applied)
+    allocate: tuple[int, ...]  # new table indices that need a physical block
+    reclaim: int             # existing blocks the window eviction would free
+
+    @property
+    def net_blocks(self) -> int:
+        return max(0, len(self.allocate) - self.reclaim)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PagedKVCache:
+    """Paged storage of per-layer key/value tensors for many sequences (see module docstring)."""
+
+    def __init__(
+        self,
+        layers: Sequence[LayerGeometry],
+        num_blocks: int,
+        block_size: int = 16,
+        dtype: np.dtype = np.float32,
+        sliding_window: int | None = None,
+        sink_tokens: int = 0,
+    ) -> None:
+        self.layers: tuple[LayerGeometry, ...] = tuple(layers)
+        if not self.layers:
+            raise ValueError("layers must be non-empty")
+        for i, g in enumerate(self.layers):
+            if g.num_kv_heads <= 0 or g.head_dim <= 0:
+                raise ValueError(f"layers[{i}] must have positive num_kv_heads and head_dim, got {g}")
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        if sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be >= 0, got {sink_tokens}")
+        if sliding_window is not None and sliding_window <= sink_tokens:
+            raise ValueError(
+                f"sliding_window must be None or > sink_tokens ({sink_tokens}), got {sliding_window}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = np.dtype(dtype)
+        self.sliding_window = sliding_window
+        self.sink_tokens = sink_tokens
+        self._key_pools = [self._new_pool(g) for g in self.layers]
+        self._value_pools = [self._new_pool(g) for g in self.layers]
+        # A stack, reversed so that block 0 is handed out first (makes tables easy to read).
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._seqs: dict[Hashable, _Seq] = {}
+
+    def _new_pool(self, g: LayerGeometry) -> np.ndarray:
+        return np.zeros((self.num_blocks, g.num_kv_heads, self.block_size, g.head_dim), self.dtype)
+
+    # ------------------------------------------------------------------ sequences
+
+    def add_sequence(self, seq_id: Hashable) -> None:
+        """Register an empty sequence; it owns no blocks until its first append."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already exists")
+        self._seqs[seq_id] = _Seq()
+
+    def has_sequence(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def sequences(self) -> list:
+        return list(self._seqs)
+
+    def _get(self, seq_id: Hashable) -> _Seq:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise UnknownSequenceError(f"unknown sequence {seq_id!r}") from None
+
+    def length(self, seq_id: Hashable) -> int:
+        """Tokens currently retained (what ``materialize`` returns), after any eviction."""
+        return self._get(seq_id).length
+
+    def dropped_tokens(self, seq_id: Hashable) -> int:
+        """Tokens evicted by the window so far, so callers can keep absolute position ids."""
+        return self._get(seq_id).dropped
+
+    def block_table(self, seq_id: Hashable) -> list[int | None]:
+        """Physical block ids of the sequence, ``None`` where an evicted block was freed."""
+        return list(self._get(seq_id).table)
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    # ------------------------------------------------------------------ window geometry
+
+    def _window_dropped(self, length: int, dropped: int) -> int:
+        """``dropped`` after applying the window to a sequence that retains ``length`` tokens."""
+        if self.sliding_window is None or length <= self.sliding_window:
+            return dropped
+        return dropped + (length - self.sliding_window)
+
+    def _dead_blocks(self, dropped: int) -> range:
+        """Table indices whose slots all lie in the evicted range ``[sink, sink + dropped)``."""
+        return range(_ceil_div(self.sink_tokens, self.block_size),
+                     (self.sink_tokens + dropped) // self.block_size)
+
+    def _plan_append(self, s: _Seq, n: int) -> _AppendPlan:
+        end = s.end + n
+        dropped = self._window_dropped(end - s.dropped, s.dropped)
+        dead = self._dead_blocks(dropped)
+        reclaim = sum(1 for b in self._newly_dead(s, dropped) if b < len(s.table) and s.table[b] is not None)
+        allocate = tuple(b for b in range(len(s.table), _ceil_div(end, self.block_size)) if b not in dead)
+        return _AppendPlan(end=end, dropped=dropped, allocate=allocate, reclaim=reclaim)
+
+    def _newly_dead(self, s: _Seq, dropped: int) -> range:
+        """Blocks that become dead when ``s.dropped`` grows to ``dropped``.
+
+        Invariant: every block dead under ``s.dropped`` is already a hole, so only the blocks
+        between the old and the new dead boundary need looking at (O(new holes), not O(length)).
+        """
+        old, new = self._dead_blocks(s.dropped), self._dead_blocks(dropped)
+        return range(max(old.stop, new.start), new.stop)
+
+    def blocks_needed(self, seq_id: Hashable, extra_tokens: int) -> int:
+        """Net new blocks an append of ``extra_tokens`` needs, for admission control.
+
+        Blocks that the append's own window eviction would free are netted off, so
+        ``append`` succeeds exactly when ``blocks_needed(...) <= free_blocks``.
+        """
+        if extra_tokens < 0:
+            raise ValueError(f"extra_tokens must be >= 0, got {extra_tokens}")
+        return self._plan_append(self._get(seq_id), extra_tokens).net_blocks
+
+    # ------------------------------------------------------------------ mutation
+
+    def _release(self, s: _Seq, indices: Sequence[int] | range) -> None:
+        for b in indices:
+            block = s.table[b]
+            if block is not None:
+                self._free.append(block)
+                s.table[b] = None
+
+    def apply_sliding_window(self, seq_id: Hashable) -> None:
+        """Evict the oldest non-sink tokens beyond the window and free blocks left empty.
+
+        ``append`` calls this itself; calling it again is a no-op.
+        """
+        s = self._get(seq_id)
+        dropped = self._window_dropped(s.length, s.dropped)
+        if dropped != s.dropped:
+            newly_dead = self._newly_dead(s, dropped)
+            s.dropped = dropped
+            self._release(s, newly_dead)
+
+    def append(self, seq_id: Hashable, keys: Sequence[np.ndarray], values: Sequence[np.ndarray]) -> None:
+        """Append ``n`` tokens of KV to every layer, then apply the sliding window.
+
+        ``keys[l]`` and ``values[l]`` are ``[kv_heads_l, n, head_dim_l]`` or with a leading batch
+        axis of 1. Atomic: on any error (bad shapes, not enough blocks) nothing changes.
+        """
+        s = self._get(seq_id)
+        keys, values, n = self._check_kv(keys, values)
+        plan = self._plan_append(s, n)
+        if plan.net_blocks > len(self._free):
+            raise KVCacheCapacityError(
+                f"sequence {seq_id!r} needs {plan.net_blocks} more block(s) to append {n} token(s) "
+                f"but only {len(self._free)} of {self.num_blocks} are free")
+        old_end = s.end
+        # Grow the table with holes first, evict (which frees blocks), then fill the live holes:
+        # eviction before allocation is what lets a full pool keep decoding under a window.
+        s.table.extend([None] * (_ceil_div(plan.end, self.block_size) - len(s.table)))
+        s.end = plan.end
+        self.apply_sliding_window(seq_id)
+        for b in plan.allocate:
+            s.table[b] = self._free.pop()
+
+        # Write only the new tokens that survived the eviction (some may be evicted at once).
+        slots = np.arange(old_end, s.end)
+        alive = (slots < self.sink_tokens) | (slots >= self.sink_tokens + s.dropped)
+        slots = slots[alive]
+        if slots.size:
+            src = np.flatnonzero(alive)
+            table = np.asarray([-1 if b is None else b for b in s.table])
+            blocks, offsets = table[slots // self.block_size], slots % self.block_size
+            for pools, arrays in ((self._key_pools, keys), (self._value_pools, values)):
+                for pool, arr in zip(pools, arrays):
+                    # pool[blocks, :, offsets, :] has shape [k, heads, head_dim].
+                    pool[blocks, :, offsets, :] = arr[:, src, :].transpose(1, 0, 2)
+
+    def _check_kv(self, keys: Sequence[np.ndarray], values: Sequence[np.ndarray]
+                  ) -> tuple[list[np.ndarray], list[np.ndarray], int]:
+        """Validate per-layer shapes; return 3-d ``[heads, n, dim]`` views and ``n``."""
+        if len(keys) != len(self.layers) or len(values) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} layers of keys and values, "
+                             f"got {len(keys)} keys and {len(values)} values")
+        n: int | None = None
+        out: dict[str, list[np.ndarray]] = {"keys": [], "values": []}
+        for name, arrays in (("keys", keys), ("values", values)):
+            for i, (arr, g) in enumerate(zip(arrays, self.layers)):
+                arr = np.asarray(arr, dtype=self.dtype)  # cast now so a bad dtype fails before any mutation
+                if arr.ndim == 4 and arr.shape[0] == 1:
+                    arr = arr[0]
+                expected = (g.num_kv_heads, n if n is not None else "n", g.head_dim)
+                if arr.ndim != 3 or arr.shape[0] != g.num_kv_heads or arr.shape[2] != g.head_dim \
+                        or (n is not None and arr.shape[1] != n):
+                    raise ValueError(f"layer {i} {name}: expected shape [1,] {expected}, "
+                                     f"got {tuple(np.shape(arrays[i]))}")
+                if n is None:
+                    n = arr.shape[1]
+                    if n < 1:
+                        raise ValueError(f"layer {i} {name}: need at least one token, got n=0")
+                out[name].append(arr)
+        assert n is not None
+        return out["keys"], out["values"], n
+
+    def rewind(self, seq_id: Hashable, length: int) -> None:
+        """Keep the first ``length`` retained tokens (e.g. drop rejected draft tokens).
+
+        Rewinding into the sink tokens makes the evicted gap irrelevant, so ``dropped`` resets
+        to 0. Blocks wholly past the new physical end are freed; holes stay holes.
+        """
+        s = self._get(seq_id)
+        if not 0 <= length <= s.length:
+            raise ValueError(f"rewind length must be in [0, {s.length}] for sequence {seq_id!r}, got {length}")
+        if length < self.sink_tokens or s.dropped == 0:
+            s.dropped, s.end = 0, length
+        else:
+            s.end = length + s.dropped
+        keep = _ceil_div(s.end, self.block_size)
+        self._release(s, range(keep, len(s.table)))
+        del s.table[keep:]
+
+    def free(self, seq_id: Hashable) -> None:
+        """Release all blocks of the sequence and forget it."""
+        s = self._get(seq_id)
+        self._release(s, range(len(s.table)))
+        del self._seqs[seq_id]
+
+    # ------------------------------------------------------------------ reading
+
+    def _segments(self, s: _Seq) -> list[tuple[int, int]]:
+        """Retained tokens as contiguous physical slot ranges: sinks, then the recent tail."""
+        if s.dropped == 0:
+            ranges = [(0, s.end)]
+        else:
+            ranges = [(0, self.sink_tokens), (self.sink_tokens + s.dropped, s.end)]
+        return [(a, b) for a, b in ranges if b > a]
+
+    def _gather(self, pool: np.ndarray, s: _Seq, segments: list[tuple[int, int]]) -> np.ndarray:
+        """Dense ``[1, heads, length, dim]`` copy, gathering whole blocks per segment."""
+        _, heads, bs, dim = pool.shape
+        parts = []
+        for start, stop in segments:
+            first, last = start // bs, _ceil_div(stop, bs)
+            ids = s.table[first:last]
+            blocks = pool[ids]  # [nb, heads, bs, dim]; ids are never None inside a segment
+            flat = blocks.transpose(1, 0, 2, 3).reshape(heads, len(ids) * bs, dim)
+            parts.append(flat[:, start - first * bs: stop - first * bs])
+        if not parts:
+            return np.zeros((1, heads, 0, dim), self.dtype)
+        return np.ascontiguousarray(np.concatenate(parts, axis=1)[None])
+
+    def materialize(self, seq_id: Hashable) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per layer dense ``(key, value)``, each ``[1, kv_heads_l, length, head_dim_l]`` (copies)."""
+        s = self._get(seq_id)
+        segs = self._segments(s)
+        return [(self._gather(k, s, segs), self._gather(v, s, segs))
+                for k, v in zip(self._key_pools, self._value_pools)]
+
+    def slice(self, seq_id: Hashable, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """One layer's dense ``(key, value)``, each ``[1, kv_heads_l, length, head_dim_l]``."""
+        s = self._get(seq_id)
+        if not 0 <= layer < len(self.layers):
+            raise IndexError(f"layer {layer} out of range: the cache has {len(self.layers)} layers")
+        segs = self._segments(s)
+        return self._gather(self._key_pools[layer], s, segs), self._gather(self._value_pools[layer], s, segs)

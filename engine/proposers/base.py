@@ -1,0 +1,116 @@
+"""The proposer protocol: every source of draft tokens looks the same to the round loop.
+
+Mirrors the seed's ``SpeculativeProposer``: ``propose`` drafts tokens for one verify
+pass, ``accept`` hears what the target committed, ``rewind`` re-aligns private state to
+the target's committed tokens, ``name`` identifies the mode. ``close`` releases
+per-request resources (a draft model's KV blocks).
+
+Token convention (one target pass per round): ``context_tokens`` are the committed
+tokens; the last of them (the *pending* token, the target's own choice) is not in the
+target's KV cache yet, and is what the seed calls the guaranteed token. Proposals hold
+only the drafts that follow it, at most ``width - 1`` of them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from ..options import GenerationOptions
+
+
+@dataclass(frozen=True)
+class SharedKvSlice:
+    """One group's slice of the target KV cache, from the one target layer bound to it."""
+
+    group: str
+    layer: int
+    key: np.ndarray    # [1, kv_heads_of_layer, kv_len, head_dim_of_layer]
+    value: np.ndarray
+
+    @property
+    def kv_heads(self) -> int:
+        return self.key.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.key.shape[3]
+
+    @property
+    def kv_len(self) -> int:
+        return self.key.shape[2]
+
+
+@dataclass(frozen=True)
+class ProposerContext:
+    width: int                                   # most tokens this round may commit (drafts + 1)
+    context_tokens: Sequence[int]                # prompt + generated; last = pending/guaranteed token
+    generated_tokens: Sequence[int]
+    generated_text: str
+    step: int                                    # generated tokens so far
+    options: GenerationOptions
+    target_hidden: np.ndarray | None = None      # [H] final hidden at the last position in the target KV
+    target_hidden_layers: tuple[np.ndarray, ...] | None = None  # low, mid, high [H] each
+    shared_kv: tuple[SharedKvSlice, ...] | None = None
+    rng: np.random.Generator | None = None       # the request's generator, for sampling drafters
+
+    @property
+    def guaranteed_token(self) -> int:
+        return int(self.context_tokens[-1])
+
+    @property
+    def max_drafts(self) -> int:
+        return max(0, self.width - 1)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    tokens: list[int]
+    # Draft distribution q of each token ([len(tokens), V]) when the proposer sampled
+    # from one; None means the tokens were chosen greedily (one-hot q).
+    probs: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class AcceptContext:
+    accepted_prefix_len: int         # drafts the target accepted this round
+    committed_tokens: Sequence[int]  # tokens committed this round (accepted drafts + correction/bonus)
+    target_tokens: Sequence[int]     # all committed tokens after the round
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    name: str
+
+    def propose(self, context: ProposerContext) -> Proposal: ...
+
+    def accept(self, context: AcceptContext) -> None: ...
+
+    def rewind(self, target_tokens: Sequence[int]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class StatelessProposer:
+    """Defaults for proposers that keep nothing between rounds."""
+
+    name = "stateless"
+
+    def accept(self, context: AcceptContext) -> None:
+        return None
+
+    def rewind(self, target_tokens: Sequence[int]) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+@dataclass
+class Needs:
+    """What the round loop must hand a proposer kind (so it computes nothing unneeded)."""
+
+    final_hidden: str | None = None                   # target output name of the final hidden state
+    layer_hiddens: tuple[str, ...] = ()               # target output names, low/mid/high in order
+    shared_kv_layers: dict[str, int] = field(default_factory=dict)  # group -> bound target layer

@@ -1,0 +1,35 @@
+"""Model-free prompt lookup (n-gram copy), as the seed's ``NgramProposer``."""
+from __future__ import annotations
+
+from .base import Proposal, ProposerContext, StatelessProposer
+
+
+class PromptLookupProposer(StatelessProposer):
+    """Find the most recent earlier occurrence of the last ``ngram`` tokens and propose
+    up to ``max_tokens`` of the tokens that followed it."""
+
+    name = "prompt_lookup"
+
+    def __init__(self, ngram: int = 3, max_tokens: int = 4) -> None:
+        if ngram <= 0:
+            raise ValueError("ngram must be greater than zero")
+        if max_tokens <= 0:
+            raise ValueError("max_tokens must be greater than zero")
+        self.ngram, self.max_tokens = ngram, max_tokens
+
+    def propose(self, context: ProposerContext) -> Proposal:
+        return Proposal(self.lookup(context.context_tokens, context.max_drafts))
+
+    def lookup(self, tokens, width: int) -> list[int]:
+        tokens = list(tokens)
+        n = self.ngram
+        if len(tokens) <= n:
+            return []
+        suffix_start = len(tokens) - n
+        suffix = tokens[suffix_start:]
+        for start in range(suffix_start - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                continuation = start + n
+                length = min(width, self.max_tokens, len(tokens) - continuation)
+                return tokens[continuation : continuation + length]
+        return []

@@ -1,0 +1,156 @@
+"""The propose -> verify rounds of one sequence (target-only decoding is the same rounds
+with no proposer).
+
+Each round makes a single target pass over ``[pending, d1 .. dk]``: *pending* is the
+last committed token, the target's own choice, not yet in the KV cache. Row i of the
+output verifies draft i+1; the row after the last accepted draft gives the correction
+(or bonus) token, which becomes the next pending token, and that row's hidden states
+are what the heads need next round. Rejected drafts' KV is rewound, and tokens are
+committed one at a time through ``SequenceState.commit`` exactly as target-only
+decoding commits them.
+
+A round is split in two halves around the target pass -- ``plan`` (propose; say what to
+feed) and ``complete`` (verify, rewind, commit, notify the proposer) -- so that one
+pass can serve a whole batch of sequences (``batching.py``) with the same algorithm.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Hashable
+
+import numpy as np
+
+from .cached_decoder import CachedDecoder, FeedRequest, SequenceOutput
+from .errors import EngineError
+from .proposers.base import AcceptContext, Needs, Proposer, ProposerContext
+from .proposers.shared_kv import shared_kv_slices
+from .sampling import token_logprob
+from .sequence import SequenceState
+from .stats import SpeculativeStats
+from .verify import verify
+
+
+class NoProgressError(EngineError):
+    """A round committed nothing: a bug, never a state to loop in."""
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """Target hidden states at the last position in the KV cache (what heads start from)."""
+
+    final: np.ndarray | None = None
+    layers: tuple[np.ndarray, ...] | None = None
+
+    @classmethod
+    def from_output(cls, out: SequenceOutput, row: int, needs: Needs) -> "Anchor":
+        final = out.extras[needs.final_hidden][row] if needs.final_hidden else None
+        layers = tuple(out.extras[name][row] for name in needs.layer_hiddens) or None
+        return cls(final, layers)
+
+
+class SequenceRounds:
+    """One sequence's rounds: its state, its proposer, its place in the target cache."""
+
+    def __init__(self, target: CachedDecoder, seq_id: Hashable, state: SequenceState, proposer: Proposer | None,
+                 num_drafts: int, rng: np.random.Generator, stats: SpeculativeStats) -> None:
+        self.target, self.seq_id, self.state, self.proposer = target, seq_id, state, proposer
+        self.num_drafts, self.rng, self.stats = num_drafts, rng, stats
+        self.needs: Needs = getattr(proposer, "needs", Needs())
+        self.prefilled = False
+        self.resuming = False  # preempted: re-prefill committed tokens, commit nothing new
+        self.prefill_seconds = 0.0
+        self._anchor = Anchor()
+        self._drafts: list[int] = []
+        self._probs: np.ndarray | None = None
+        self._started = time.perf_counter()
+
+    @property
+    def finished(self) -> bool:
+        return self.state.finished
+
+    def plan(self) -> FeedRequest:
+        """Propose (after the prefill) and return what the target must run this round."""
+        state = self.state
+        if self.resuming:  # everything committed except the pending token, which the next round feeds
+            return FeedRequest(self.seq_id, list(state.tokens[:-1]), 0)
+        if not self.prefilled:  # the prefill: the whole prompt, its last row picks the first token
+            return FeedRequest(self.seq_id, list(state.tokens), 0)
+        options = state.options
+        width = min(self.num_drafts + 1, options.max_new_tokens - len(state.generated),
+                    state.max_context - len(state.tokens))
+        self._drafts, self._probs = [], None
+        if self.proposer is not None and width > 1:
+            proposal = self.proposer.propose(ProposerContext(
+                width=width, context_tokens=state.tokens, generated_tokens=state.generated,
+                generated_text=state.text, step=len(state.generated), options=options,
+                target_hidden=self._anchor.final, target_hidden_layers=self._anchor.layers, rng=self.rng,
+                shared_kv=shared_kv_slices(self.target.cache, self.seq_id, self.needs.shared_kv_layers)
+                if self.needs.shared_kv_layers else None))
+            self._drafts = [int(t) for t in proposal.tokens[: width - 1]]
+            self._probs = None if proposal.probs is None else proposal.probs[: len(self._drafts)]
+        return FeedRequest(self.seq_id, [state.tokens[-1], *self._drafts], len(state.tokens) - 1)
+
+    def complete(self, out: SequenceOutput) -> None:
+        """Verify this round's drafts against the target's rows and commit the result."""
+        state, options = self.state, self.state.options
+        if self.resuming:
+            self._anchor = Anchor.from_output(out, -1, self.needs)
+            self.resuming = False
+            return
+        if not self.prefilled:
+            first = verify(out.logits[-1:], [], None, state.tokens, options, self.rng).next_token
+            self._commit(out.logits[-1:], [first])
+            self._anchor = Anchor.from_output(out, -1, self.needs)
+            self.prefilled = True
+            self.prefill_seconds = time.perf_counter() - self._started
+            return
+        drafts = self._drafts
+        verdict = verify(out.logits, drafts, self._probs, state.tokens, options, self.rng)
+        cache = self.target.cache
+        rejected = len(drafts) - verdict.accepted
+        if rejected:
+            cache.rewind(self.seq_id, cache.length(self.seq_id) - rejected)
+        to_commit = [*drafts[: verdict.accepted], verdict.next_token]
+        committed = self._commit(out.logits, to_commit)
+        self.stats.record_round(len(drafts), verdict.accepted, committed)
+        if committed == 0:
+            raise NoProgressError("speculative decoding made no progress")
+        if self.proposer is not None:
+            self.proposer.accept(AcceptContext(verdict.accepted, to_commit[:committed], list(state.tokens)))
+        self._anchor = Anchor.from_output(out, verdict.accepted, self.needs)
+        excess = verdict.accepted - committed  # accepted drafts in the KV that a stop left uncommitted
+        if excess > 0:
+            cache.rewind(self.seq_id, cache.length(self.seq_id) - excess)
+
+    def preempt(self) -> None:
+        """Give back every KV block; the sequence re-prefills its committed tokens later.
+
+        Nothing committed is lost: the next plan re-feeds all but the pending token, whose
+        row restores the heads' anchor, and rounds continue exactly where they stopped."""
+        self.target.cache.rewind(self.seq_id, 0)
+        self.resuming = self.prefilled and len(self.state.tokens) > 1
+        if self.proposer is not None:
+            self.proposer.rewind(list(self.state.tokens))
+
+    def _commit(self, rows: np.ndarray, tokens: list[int]) -> int:
+        """Commit ``tokens`` (token i chosen from ``rows[i]``) until the sequence finishes;
+        returns how many were committed."""
+        state, committed = self.state, 0
+        options = state.options
+        for row, token in zip(rows, tokens):
+            logprob = (token_logprob(row, token, options.top_logprobs, self.target.tokenizer.token_text)
+                       if options.logprobs else None)
+            committed += 1
+            if state.commit(token, logprob):
+                break
+        return committed
+
+
+def decode(target: CachedDecoder, seq_id: Hashable, state: SequenceState, proposer: Proposer | None,
+           num_drafts: int, rng: np.random.Generator, stats: SpeculativeStats) -> float:
+    """Run one sequence's rounds until it finishes; returns the prefill seconds."""
+    rounds = SequenceRounds(target, seq_id, state, proposer, num_drafts, rng, stats)
+    while not rounds.finished:
+        rounds.complete(target.feed_batch([rounds.plan()])[0])
+    return rounds.prefill_seconds

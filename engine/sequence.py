@@ -1,0 +1,102 @@
+"""One request's committed output: the single path every generated token goes through.
+
+Target-only decoding and speculative rounds both commit tokens here one at a time, so
+EOS, stop strings, ``max_new_tokens``, the context limit, streaming and logprobs behave
+identically whichever way a token was produced.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal, Sequence
+
+from .options import GenerationOptions
+from .sampling import TokenLogprob
+from .tokenizer import TextTokenizer
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """What a streaming callback receives after each committed token.
+
+    ``text`` is the newly safe text (may be empty while a multi-byte character or a
+    possible stop-string prefix is held back); ``finish_reason`` is set on the last event.
+    """
+
+    token_id: int
+    text: str
+    logprob: TokenLogprob | None
+    finish_reason: FinishReason | None
+
+
+TokenCallback = Callable[[TokenEvent], None]
+
+
+class SequenceState:
+    def __init__(self, prompt_ids: Sequence[int], options: GenerationOptions, tokenizer: TextTokenizer,
+                 eos_token_ids: Sequence[int], max_context: int, on_token: TokenCallback | None = None) -> None:
+        self.options = options
+        self.tokens: list[int] = list(prompt_ids)
+        self.prompt_len = len(self.tokens)
+        self.max_context = max_context
+        self.eos_token_ids = frozenset(() if options.ignore_eos else eos_token_ids)
+        self.logprobs: list[TokenLogprob] = []
+        self.finish_reason: FinishReason | None = None
+        self._decoder = tokenizer.stream()
+        self._on_token = on_token
+        self._text = ""       # all decoded text so far (may run past a stop string)
+        self._emitted = 0     # characters of _text already handed to the callback
+        self._holdback = max((len(s) for s in options.stop), default=1) - 1
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def text(self) -> str:
+        """The output text so far (final once finished; stop strings excluded)."""
+        return self._text[: self._emitted] if self.finish_reason else self._text
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def commit(self, token_id: int, logprob: TokenLogprob | None = None) -> bool:
+        """Append one token; returns True when the sequence has finished."""
+        if self.finished:
+            raise RuntimeError("commit after finish")
+        self.tokens.append(token_id)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        if token_id in self.eos_token_ids:
+            self.finish_reason = "stop"
+            self._text += self._decoder.flush()
+            self._emit(token_id, logprob, len(self._text))
+            return True
+        self._text += self._decoder.push(token_id)
+        stop_at = self._find_stop()
+        if stop_at is not None:
+            self.finish_reason = "stop"
+            self._emit(token_id, logprob, stop_at)
+            return True
+        if len(self.generated) >= self.options.max_new_tokens or len(self.tokens) >= self.max_context:
+            self.finish_reason = "length"
+            self._text += self._decoder.flush()
+            stop_at = self._find_stop()
+            self._emit(token_id, logprob, len(self._text) if stop_at is None else stop_at)
+            return True
+        self._emit(token_id, logprob, max(self._emitted, len(self._text) - self._holdback))
+        return False
+
+    def _find_stop(self) -> int | None:
+        """Earliest stop-string match in text not yet emitted (matches may straddle tokens)."""
+        start = max(0, self._emitted - self._holdback)
+        hits = [i for i in (self._text.find(s, start) for s in self.options.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _emit(self, token_id: int, logprob: TokenLogprob | None, upto: int) -> None:
+        delta = self._text[self._emitted : upto]
+        self._emitted = max(self._emitted, upto)
+        if self._on_token is not None:
+            self._on_token(TokenEvent(token_id, delta, logprob, self.finish_reason))

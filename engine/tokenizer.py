@@ -1,0 +1,76 @@
+"""Tokenizer loading and incremental (streaming) detokenisation."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from .errors import ModelLoadError
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class TextTokenizer:
+    """A ``tokenizer.json`` plus the special tokens named in ``tokenizer_config.json``."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.is_file():
+            raise ModelLoadError(f"tokenizer missing: {path}")
+        self._tokenizer = Tokenizer.from_file(str(path))
+        config_path = Path(model_dir) / "tokenizer_config.json"
+        self.config: dict = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        eos = self.config.get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        self.eos_token_id: int | None = self._tokenizer.token_to_id(eos) if eos else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        """The token's surface text (for logprob listings); may be a partial UTF-8 char."""
+        return self.decode([token_id])
+
+    def stream(self) -> "StreamDecoder":
+        return StreamDecoder(self)
+
+
+class StreamDecoder:
+    """Turns a growing token list into text deltas that are always whole characters.
+
+    Byte-level BPE splits multi-byte characters across tokens; decoding a prefix then
+    ends in U+FFFD. We decode a small window ``[prefix, read)`` vs ``[prefix, end)`` and
+    only emit once the new text no longer ends in a replacement character (the
+    approach of HF TGI / vLLM's detokenizer), so the concatenated deltas equal the full
+    decode and no delta carries half a character.
+    """
+
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        prefix_text = self._tokenizer.decode(self._ids[self._prefix : self._read])
+        full_text = self._tokenizer.decode(self._ids[self._prefix :])
+        if len(full_text) > len(prefix_text) and not full_text.endswith(REPLACEMENT_CHAR):
+            self._prefix, self._read = self._read, len(self._ids)
+            return full_text[len(prefix_text) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (only non-empty if the model ended mid-character)."""
+        prefix_text = self._tokenizer.decode(self._ids[self._prefix : self._read])
+        full_text = self._tokenizer.decode(self._ids[self._prefix :])
+        self._prefix = self._read = len(self._ids)
+        return full_text[len(prefix_text) :]

@@ -1,0 +1,55 @@
+"""Verification: which drafts the target accepts, and the token it adds after them.
+
+Greedy: accept the longest prefix of drafts equal to the target's (processed) argmax;
+then the target's argmax at the first mismatch (correction) or after the last draft
+(bonus). Sampling (temperature > 0): lossless speculative sampling (Leviathan et al.
+2023; Chen et al. 2023): accept draft x with probability min(1, p(x)/q(x)); on
+rejection sample from norm(max(0, p - q)); if all pass, sample the bonus from p. A
+proposer without probabilities has one-hot q. ``p`` at every position comes from
+``sampling.token_distribution`` with that position's own context, the same rule
+target-only decoding uses, so the output distribution is exactly the target's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .options import GenerationOptions
+from .sampling import processed_logits, sample, token_distribution
+
+
+@dataclass(frozen=True)
+class Verdict:
+    accepted: int     # number of drafts accepted (a prefix)
+    next_token: int   # correction (at the first rejection) or bonus (after all drafts)
+
+
+def verify(logits: np.ndarray, drafts: Sequence[int], draft_probs: np.ndarray | None, context: Sequence[int],
+           options: GenerationOptions, rng: np.random.Generator) -> Verdict:
+    """``logits[i]`` is the target's output after ``context + drafts[:i]`` (len(drafts)+1 rows)."""
+    if len(logits) != len(drafts) + 1:
+        raise ValueError(f"need {len(drafts) + 1} logit rows for {len(drafts)} drafts, got {len(logits)}")
+    prefix = list(context)
+    for i, draft in enumerate(drafts):
+        if options.greedy:
+            choice = int(np.argmax(processed_logits(logits[i], prefix, options)))
+            if choice != draft:
+                return Verdict(i, choice)
+        else:
+            p = token_distribution(logits[i], prefix, options)
+            q = _one_hot(draft, p.shape[-1]) if draft_probs is None else draft_probs[i].astype(np.float64)
+            if rng.random() * q[draft] >= p[draft]:  # reject with probability 1 - min(1, p/q)
+                residual = np.maximum(p - q, 0.0)
+                return Verdict(i, sample(residual if residual.sum() > 0 else p, rng))
+        prefix.append(draft)
+    if options.greedy:
+        return Verdict(len(drafts), int(np.argmax(processed_logits(logits[-1], prefix, options))))
+    return Verdict(len(drafts), sample(token_distribution(logits[-1], prefix, options), rng))
+
+
+def _one_hot(token: int, size: int) -> np.ndarray:
+    q = np.zeros(size)
+    q[token] = 1.0
+    return q

@@ -1,0 +1,108 @@
+"""The bundled models: manifest, files, sizes, and that they really learned the corpus."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.manifest import BundleManifest
+from engine.onnx_model import OnnxDecoder
+from engine.tokenizer import TextTokenizer
+
+from .conftest import MODELS, ROOT
+
+
+@pytest.fixture(scope="module")
+def manifest() -> BundleManifest:
+    return BundleManifest.load(MODELS)
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Minimal reader (numpy only): 8-byte header length, JSON header, raw tensors."""
+    raw = path.read_bytes()
+    header_len = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + header_len])
+    dtypes = {"F16": np.float16, "F32": np.float32}
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = (8 + header_len + o for o in meta["data_offsets"])
+        out[name] = np.frombuffer(raw[start:end], dtypes[meta["dtype"]]).reshape(meta["shape"])
+    return out
+
+
+def test_every_file_in_the_manifest_exists_and_the_bundle_is_small(manifest):
+    for entry in manifest.models.values():
+        for name in (entry.onnx, entry.weights, entry.config, entry.tokenizer):
+            assert (MODELS / entry.directory / name).is_file(), name
+    for array in manifest.arrays.values():
+        assert (MODELS / array.file).is_file()
+    total = sum(p.stat().st_size for p in MODELS.rglob("*") if p.is_file())
+    assert total < 45 * 1024 * 1024, f"models/ is {total / 2**20:.1f} MiB"
+
+
+def test_models_clearly_beat_the_unigram_baseline(manifest):
+    unigram = manifest.corpus.unigram_cross_entropy_nats
+    target, draft = manifest.models["target"], manifest.models["draft"]
+    assert target.heldout_loss_nats < unigram - 1.0
+    assert draft.heldout_loss_nats < unigram - 1.0
+    assert target.parameters > 5 * draft.parameters  # "much smaller"
+
+
+def test_heldout_files_were_never_trained_on(manifest):
+    assert not set(manifest.corpus.train_files) & set(manifest.corpus.heldout_files)
+    prompts = json.loads((ROOT / "tests/data/heldout_prompts.json").read_text())
+    assert {p["file"] for p in prompts} <= set(manifest.corpus.heldout_files)
+
+
+def test_target_and_draft_share_one_tokenizer(manifest):
+    texts = {(MODELS / e.directory / e.tokenizer).read_text() for e in manifest.models.values()}
+    assert len(texts) == 1
+    assert TextTokenizer(MODELS / "target").eos_token_id == manifest.eos_token_id
+
+
+def test_target_is_llama_shaped_with_grouped_query_attention(manifest):
+    arch = manifest.models["target"].architecture
+    assert arch.num_kv_heads < arch.num_heads and arch.num_heads % arch.num_kv_heads == 0
+    config = json.loads((MODELS / "target/config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["torch_dtype"] == "float16"
+    assert manifest.measurements["target_to_head_step_ratio"] >= 8.0
+
+
+def test_arrays_are_the_targets_embedding_and_lm_head(manifest):
+    checkpoint = read_safetensors(MODELS / "target/model.safetensors")
+    embed = np.load(MODELS / manifest.arrays["embed_tokens"].file)
+    assert embed.shape == tuple(manifest.arrays["embed_tokens"].shape)
+    np.testing.assert_array_equal(embed, checkpoint["model.embed_tokens.weight"])
+    # The LM-head array applied to the graph's final hidden state must give the graph's logits.
+    lm_head = np.load(MODELS / manifest.arrays["lm_head"].file).astype(np.float32)
+    decoder = OnnxDecoder(MODELS / "target", "cpu")
+    ids = np.arange(10, 30)[None]
+    out = decoder.forward(ids, np.ones_like(ids), np.arange(20)[None], decoder.empty_past())
+    hidden = out.extras[manifest.models["target"].hidden_outputs.final]
+    np.testing.assert_allclose(hidden @ lm_head.T, out.logits, atol=1e-3)
+
+
+def test_hidden_state_outputs_named_in_the_manifest_exist(manifest):
+    outputs = set(OnnxDecoder(MODELS / "target", "cpu").io.extra_outputs)
+    names = manifest.models["target"].hidden_outputs
+    assert {names.final, names.low, names.mid, names.high} <= outputs
+    low, mid, high = names.layer_indices
+    assert 0 < low < mid < high < manifest.models["target"].architecture.num_layers
+
+
+def test_shipped_onnx_target_predicts_heldout_text(manifest, heldout_prompts):
+    """Cross-entropy of the ONNX target on held-out prompts, far below the unigram bar."""
+    decoder = OnnxDecoder(MODELS / "target", "cpu")
+    tokenizer = TextTokenizer(MODELS / "target")
+    losses = []
+    for prompt in heldout_prompts[:8]:
+        ids = np.asarray(tokenizer.encode(prompt))[None]
+        logits = decoder.forward(ids, np.ones_like(ids), np.arange(ids.shape[1])[None], decoder.empty_past()).logits[0]
+        logp = logits[:-1] - logits[:-1].max(-1, keepdims=True)
+        logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+        losses.extend(-logp[np.arange(len(logp)), ids[0, 1:]])
+    assert float(np.mean(losses)) < manifest.corpus.unigram_cross_entropy_nats - 1.0

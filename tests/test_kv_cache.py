@@ -1,0 +1,418 @@
+"""Tests of the paged KV cache against a plain dense reference model."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from engine.kv_cache import (
+    KVCacheCapacityError,
+    KVCacheError,
+    LayerGeometry,
+    PagedKVCache,
+    UnknownSequenceError,
+)
+
+GEOMETRY = (LayerGeometry(num_kv_heads=2, head_dim=8), LayerGeometry(num_kv_heads=3, head_dim=16))
+BLOCK = 4
+
+
+def _kv(n: int, seed: int, layers=GEOMETRY, batch_axis: bool = False):
+    """Distinct random keys/values for ``n`` tokens, one pair per layer."""
+    rng = np.random.default_rng(seed)
+    keys = [rng.standard_normal((g.num_kv_heads, n, g.head_dim)).astype(np.float32) for g in layers]
+    values = [rng.standard_normal((g.num_kv_heads, n, g.head_dim)).astype(np.float32) for g in layers]
+    if batch_axis:
+        keys, values = [k[None] for k in keys], [v[None] for v in values]
+    return keys, values
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class DenseReference:
+    """The obvious model: dense per-layer arrays per sequence, concatenated and sliced."""
+
+    def __init__(self, layers, sliding_window=None, sink_tokens=0):
+        self.layers, self.window, self.sinks = layers, sliding_window, sink_tokens
+        self.kv: dict = {}
+        self.dropped: dict = {}
+
+    def add(self, sid):
+        self.kv[sid] = [(np.zeros((g.num_kv_heads, 0, g.head_dim), np.float32),) * 2 for g in self.layers]
+        self.dropped[sid] = 0
+
+    def append(self, sid, keys, values):
+        layers = [(np.concatenate([k, nk], axis=1), np.concatenate([v, nv], axis=1))
+                  for (k, v), nk, nv in zip(self.kv[sid], keys, values)]
+        length = layers[0][0].shape[1]
+        if self.window is not None and length > self.window:
+            excess = length - self.window
+            s = self.sinks
+            layers = [(np.concatenate([k[:, :s], k[:, s + excess:]], axis=1),
+                       np.concatenate([v[:, :s], v[:, s + excess:]], axis=1)) for k, v in layers]
+            self.dropped[sid] += excess
+        self.kv[sid] = layers
+
+    def rewind(self, sid, length):
+        self.kv[sid] = [(k[:, :length], v[:, :length]) for k, v in self.kv[sid]]
+        if length < self.sinks:
+            self.dropped[sid] = 0
+
+    def free(self, sid):
+        del self.kv[sid], self.dropped[sid]
+
+    def length(self, sid):
+        return self.kv[sid][0][0].shape[1]
+
+    def expected_table_shape(self, sid, block_size):
+        """(table length, indices of holes) that exact accounting implies."""
+        dropped = self.dropped[sid]
+        end = self.length(sid) + dropped
+        holes = set(range(_ceil_div(self.sinks, block_size), (self.sinks + dropped) // block_size))
+        return _ceil_div(end, block_size), holes
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """Random add/append/rewind/free on the paged cache and the reference, compared each step."""
+
+    WINDOW: int | None = None
+    SINKS = 0
+    NUM_BLOCKS = 6
+    SEQ_IDS = st.sampled_from(["a", "b", "c"])
+
+    def __init__(self):
+        super().__init__()
+        self.cache = PagedKVCache(GEOMETRY, num_blocks=self.NUM_BLOCKS, block_size=BLOCK,
+                                  sliding_window=self.WINDOW, sink_tokens=self.SINKS)
+        self.ref = DenseReference(GEOMETRY, self.WINDOW, self.SINKS)
+        self.capacity_errors = 0
+
+    @initialize()
+    def start_with_two_sequences(self):
+        for sid in ("a", "b"):
+            self.cache.add_sequence(sid)
+            self.ref.add(sid)
+
+    @rule(sid=SEQ_IDS)
+    def add(self, sid):
+        if sid in self.ref.kv:
+            with pytest.raises(ValueError):
+                self.cache.add_sequence(sid)
+        else:
+            self.cache.add_sequence(sid)
+            self.ref.add(sid)
+
+    APPEND_ARGS = dict(sid=SEQ_IDS, n=st.integers(1, 9), seed=st.integers(0, 2**32 - 1), batch_axis=st.booleans())
+
+    @rule(**APPEND_ARGS)
+    def append(self, sid, n, seed, batch_axis):
+        self._append(sid, n, seed, batch_axis)
+
+    @rule(**APPEND_ARGS)
+    def append_again(self, sid, n, seed, batch_axis):
+        """A second append rule so growth (and hence eviction and capacity errors) is common."""
+        self._append(sid, n, seed, batch_axis)
+
+    def _append(self, sid, n, seed, batch_axis):
+        keys, values = _kv(n, seed, batch_axis=batch_axis)
+        if sid not in self.ref.kv:
+            with pytest.raises(UnknownSequenceError):
+                self.cache.append(sid, keys, values)
+            return
+        needed, free = self.cache.blocks_needed(sid, n), self.cache.free_blocks
+        if needed > free:
+            with pytest.raises(KVCacheCapacityError):
+                self.cache.append(sid, keys, values)
+            self.capacity_errors += 1  # reference untouched: the invariants prove nothing changed
+            assert self.cache.free_blocks == free
+        else:
+            self.cache.append(sid, keys, values)
+            self.ref.append(sid, [k.reshape(k.shape[-3:]) for k in keys],
+                            [v.reshape(v.shape[-3:]) for v in values])
+
+    @precondition(lambda self: self.ref.kv)
+    @rule(data=st.data())
+    def rewind(self, data):
+        sid = data.draw(st.sampled_from(sorted(self.ref.kv)))
+        length = data.draw(st.integers(0, self.ref.length(sid)))
+        free_before, table_len_before = self.cache.free_blocks, len(self.cache.block_table(sid))
+        self.cache.rewind(sid, length)
+        self.ref.rewind(sid, length)
+        expected_len, _ = self.ref.expected_table_shape(sid, BLOCK)
+        assert len(self.cache.block_table(sid)) == expected_len <= table_len_before
+        assert self.cache.free_blocks >= free_before
+
+    @precondition(lambda self: self.ref.kv)
+    @rule(data=st.data())
+    def rewind_too_far(self, data):
+        sid = data.draw(st.sampled_from(sorted(self.ref.kv)))
+        with pytest.raises(ValueError):
+            self.cache.rewind(sid, self.ref.length(sid) + data.draw(st.integers(1, 5)))
+
+    @rule(sid=SEQ_IDS)
+    def free(self, sid):
+        if sid not in self.ref.kv:
+            with pytest.raises(UnknownSequenceError):
+                self.cache.free(sid)
+            return
+        owned = sum(b is not None for b in self.cache.block_table(sid))
+        free_before = self.cache.free_blocks
+        self.cache.free(sid)
+        self.ref.free(sid)
+        assert self.cache.free_blocks == free_before + owned
+        assert not self.cache.has_sequence(sid)
+
+    @invariant()
+    def matches_reference(self):
+        assert sorted(self.cache.sequences()) == sorted(self.ref.kv)
+        for sid, ref_layers in self.ref.kv.items():
+            assert self.cache.length(sid) == self.ref.length(sid)
+            assert self.cache.dropped_tokens(sid) == self.ref.dropped[sid]
+            dense = self.cache.materialize(sid)
+            assert len(dense) == len(GEOMETRY)
+            for layer, ((k, v), (rk, rv)) in enumerate(zip(dense, ref_layers)):
+                assert k.flags.c_contiguous and v.flags.c_contiguous and k.dtype == np.float32
+                assert np.array_equal(k, rk[None]) and np.array_equal(v, rv[None])
+                sk, sv = self.cache.slice(sid, layer)
+                assert np.array_equal(sk, rk[None]) and np.array_equal(sv, rv[None])
+
+    @invariant()
+    def exact_block_accounting(self):
+        cache = self.cache
+        assert cache.free_blocks + cache.used_blocks == cache.num_blocks
+        owned: list[int] = []
+        for sid in self.ref.kv:
+            table = cache.block_table(sid)
+            expected_len, holes = self.ref.expected_table_shape(sid, BLOCK)
+            assert len(table) == expected_len
+            assert {i for i, b in enumerate(table) if b is None} == holes
+            owned += [b for b in table if b is not None]
+        assert len(owned) == len(set(owned)) == cache.used_blocks  # no block shared or leaked
+
+
+class WindowedCacheMachine(CacheMachine):
+    WINDOW, SINKS, NUM_BLOCKS = 7, 2, 5
+
+
+class WideSinkCacheMachine(CacheMachine):
+    WINDOW, SINKS, NUM_BLOCKS = 9, 5, 5  # sinks span more than one block
+
+
+_SETTINGS = settings(max_examples=120, stateful_step_count=30, deadline=None,
+                     suppress_health_check=[HealthCheck.too_slow])
+TestPagedCache = CacheMachine.TestCase
+TestPagedCache.settings = _SETTINGS
+TestWindowedCache = WindowedCacheMachine.TestCase
+TestWindowedCache.settings = _SETTINGS
+TestWideSinkCache = WideSinkCacheMachine.TestCase
+TestWideSinkCache.settings = _SETTINGS
+
+
+# ---------------------------------------------------------------------- unit tests
+
+
+def _cache(**kw) -> PagedKVCache:
+    kw.setdefault("num_blocks", 8)
+    kw.setdefault("block_size", BLOCK)
+    return PagedKVCache(GEOMETRY, **kw)
+
+
+def test_capacity_error_is_typed_and_leaves_everything_intact():
+    cache = _cache(num_blocks=4)
+    cache.add_sequence("a")
+    cache.add_sequence("b")
+    cache.append("a", *_kv(6, 1))  # 2 blocks
+    cache.append("b", *_kv(3, 2))  # 1 block
+    before = {s: cache.materialize(s) for s in ("a", "b")}
+    tables = {s: cache.block_table(s) for s in ("a", "b")}
+    assert cache.blocks_needed("b", 9) == 2 and cache.free_blocks == 1
+    with pytest.raises(KVCacheCapacityError) as info:
+        cache.append("b", *_kv(9, 3))  # needs 2 more blocks, 1 free
+    assert isinstance(info.value, KVCacheError)
+    assert "needs 2" in str(info.value) and "only 1" in str(info.value)
+    assert cache.free_blocks == 1 and cache.used_blocks == 3
+    for s in ("a", "b"):
+        assert cache.length(s) == (6 if s == "a" else 3)
+        assert cache.block_table(s) == tables[s]
+        for (k, v), (k0, v0) in zip(cache.materialize(s), before[s]):
+            assert k.tobytes() == k0.tobytes() and v.tobytes() == v0.tobytes()
+
+
+def test_append_accepts_batch_axis_and_round_trips():
+    cache = _cache()
+    cache.add_sequence(0)
+    k1, v1 = _kv(5, 1, batch_axis=True)
+    k2, v2 = _kv(2, 2)
+    cache.append(0, k1, v1)
+    cache.append(0, k2, v2)
+    assert cache.length(0) == 7 and cache.block_table(0) == [0, 1]
+    for layer, (k, v) in enumerate(cache.materialize(0)):
+        assert np.array_equal(k, np.concatenate([k1[layer], k2[layer][None]], axis=2))
+        assert np.array_equal(v, np.concatenate([v1[layer], v2[layer][None]], axis=2))
+
+
+def test_rewind_frees_whole_blocks_only():
+    cache = _cache()
+    cache.add_sequence("a")
+    keys, values = _kv(10, 1)  # 3 blocks: slots 0-3, 4-7, 8-9
+    cache.append("a", keys, values)
+    assert cache.free_blocks == 5
+    cache.rewind("a", 5)  # still touches block 1
+    assert cache.free_blocks == 6 and cache.length("a") == 5 and len(cache.block_table("a")) == 2
+    cache.rewind("a", 4)
+    assert cache.free_blocks == 7
+    k, v = cache.slice("a", 1)
+    assert np.array_equal(k[0], keys[1][:, :4]) and np.array_equal(v[0], values[1][:, :4])
+    cache.rewind("a", 0)
+    assert cache.free_blocks == 8 and cache.block_table("a") == [] and cache.length("a") == 0
+
+
+def test_rewind_out_of_range_raises():
+    cache = _cache()
+    cache.add_sequence("a")
+    cache.append("a", *_kv(3, 1))
+    with pytest.raises(ValueError, match="rewind"):
+        cache.rewind("a", 4)
+    with pytest.raises(ValueError, match="rewind"):
+        cache.rewind("a", -1)
+    assert cache.length("a") == 3
+
+
+def test_free_returns_all_blocks():
+    cache = _cache()
+    cache.add_sequence("a")
+    cache.add_sequence("b")
+    cache.append("a", *_kv(9, 1))
+    cache.append("b", *_kv(2, 2))
+    assert cache.used_blocks == 4
+    cache.free("a")
+    assert cache.used_blocks == 1 and cache.free_blocks == 7
+    assert cache.sequences() == ["b"] and not cache.has_sequence("a")
+    with pytest.raises(UnknownSequenceError):
+        cache.length("a")
+
+
+def test_shape_mismatch_names_the_layer_and_changes_nothing():
+    cache = _cache()
+    cache.add_sequence("a")
+    keys, values = _kv(3, 1)
+    bad_values = [values[0], np.zeros((3, 3, 8), np.float32)]  # layer 1 wants head_dim 16
+    with pytest.raises(ValueError, match=r"layer 1 values.*\(3, 3, 16\).*\(3, 3, 8\)"):
+        cache.append("a", keys, bad_values)
+    mismatched_n = [keys[0], _kv(2, 2)[0][1]]
+    with pytest.raises(ValueError, match="layer 1 keys"):
+        cache.append("a", mismatched_n, values)
+    with pytest.raises(ValueError, match="2 layers"):
+        cache.append("a", keys[:1], values[:1])
+    assert cache.length("a") == 0 and cache.used_blocks == 0
+
+
+def test_slice_out_of_range_layer():
+    cache = _cache()
+    cache.add_sequence("a")
+    cache.append("a", *_kv(2, 1))
+    with pytest.raises(IndexError, match=r"layer 2 .*2 layers"):
+        cache.slice("a", 2)
+    with pytest.raises(IndexError, match=r"layer -1 "):
+        cache.slice("a", -1)
+
+
+def test_per_layer_geometry():
+    cache = _cache()
+    cache.add_sequence("a")
+    assert [k.shape for k, _ in cache.materialize("a")] == [(1, 2, 0, 8), (1, 3, 0, 16)]
+    cache.append("a", *_kv(5, 1))
+    assert cache.slice("a", 0)[0].shape == (1, 2, 5, 8)
+    assert cache.slice("a", 1)[1].shape == (1, 3, 5, 16)
+
+
+def test_cache_dtype_is_kept():
+    cache = _cache(dtype=np.float16)
+    cache.add_sequence("a")
+    keys, values = _kv(3, 1)
+    cache.append("a", keys, values)
+    k, v = cache.slice("a", 0)
+    assert k.dtype == np.float16 and np.array_equal(k[0], keys[0].astype(np.float16))
+
+
+def test_unknown_sequence():
+    cache = _cache()
+    for call in (lambda: cache.length("x"), lambda: cache.materialize("x"), lambda: cache.rewind("x", 0),
+                 lambda: cache.append("x", *_kv(1, 1)), lambda: cache.block_table("x"),
+                 lambda: cache.blocks_needed("x", 1), lambda: cache.free("x")):
+        with pytest.raises(UnknownSequenceError, match="'x'") as info:
+            call()
+        assert isinstance(info.value, KeyError) and isinstance(info.value, KVCacheError)
+    cache.add_sequence("x")
+    with pytest.raises(ValueError, match="already exists"):
+        cache.add_sequence("x")
+
+
+def test_sliding_window_keeps_sinks_and_recent_and_frees_evicted_blocks():
+    cache = _cache(num_blocks=8, sliding_window=6, sink_tokens=2)
+    cache.add_sequence("a")
+    keys, values = _kv(20, 1)
+    for t in range(20):  # token by token, like decoding
+        cache.append("a", [k[:, t:t + 1] for k in keys], [v[:, t:t + 1] for v in values])
+    assert cache.length("a") == 6 and cache.dropped_tokens("a") == 14
+    keep = [0, 1, 16, 17, 18, 19]
+    for layer, (k, v) in enumerate(cache.materialize("a")):
+        assert np.array_equal(k[0], keys[layer][:, keep]) and np.array_equal(v[0], values[layer][:, keep])
+    # physical slots 0..19 -> 5 blocks; evicted slots 2..15 make blocks 1, 2, 3 holes.
+    table = cache.block_table("a")
+    assert [b is None for b in table] == [False, True, True, True, False]
+    assert cache.used_blocks == 2
+    cache.apply_sliding_window("a")  # idempotent
+    assert cache.used_blocks == 2 and cache.length("a") == 6
+
+    cache.rewind("a", 3)  # keep sinks + token 16
+    assert cache.dropped_tokens("a") == 14 and cache.used_blocks == 2
+    k, _ = cache.slice("a", 0)
+    assert np.array_equal(k[0], keys[0][:, [0, 1, 16]])
+    cache.rewind("a", 1)  # into the sinks: the gap no longer matters
+    assert cache.dropped_tokens("a") == 0 and cache.block_table("a") == [table[0]] and cache.used_blocks == 1
+
+
+def test_window_prefill_longer_than_window_needs_only_surviving_blocks():
+    cache = _cache(num_blocks=3, sliding_window=6, sink_tokens=2)
+    cache.add_sequence("a")
+    keys, values = _kv(30, 1)
+    assert cache.blocks_needed("a", 30) == 3  # blocks 0 (sinks), 6 and 7 (slots 24..29)
+    cache.append("a", keys, values)
+    assert cache.free_blocks == 0 and cache.length("a") == 6
+    k, v = cache.slice("a", 1)
+    assert np.array_equal(k[0], keys[1][:, [0, 1, 26, 27, 28, 29]])
+
+
+def test_full_pool_keeps_decoding_under_window():
+    # Eviction frees a block before the append allocates one, so a full pool does not stall.
+    # Window 9 with block 4: every append that opens a new block also completes an evicted one.
+    cache = _cache(num_blocks=3, sliding_window=9, sink_tokens=0)
+    cache.add_sequence("a")
+    cache.append("a", *_kv(12, 1))
+    assert cache.free_blocks == 0 and cache.length("a") == 9
+    for t in range(20):
+        assert cache.blocks_needed("a", 1) == 0
+        cache.append("a", *_kv(1, 100 + t))
+        assert cache.length("a") == 9 and cache.used_blocks == 3
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(num_blocks=0), "num_blocks"),
+    (dict(block_size=0), "block_size"),
+    (dict(sink_tokens=-1), "sink_tokens"),
+    (dict(sliding_window=4, sink_tokens=4), "sliding_window"),
+    (dict(sliding_window=0), "sliding_window"),
+])
+def test_bad_constructor_args(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        _cache(**kwargs)
+
+
+def test_empty_layers_rejected():
+    with pytest.raises(ValueError, match="layers"):
+        PagedKVCache([], num_blocks=1)
