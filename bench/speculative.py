@@ -74,7 +74,7 @@ def step_costs(engine: Engine, prompt: str, runs: int = 100) -> dict[str, float]
         if mode not in engine.available_modes:
             continue
         proposer = engine._factories[mode](1)
-        needs = getattr(proposer, "needs", None)
+        needs = engine.needs.get(mode)
         ctx = ProposerContext(
             width=2, context_tokens=tokens, generated_tokens=[pending], generated_text="", step=1,
             options=GenerationOptions(),

@@ -2,8 +2,9 @@
 
 ``Engine("models")`` (a bundle with ``manifest.json``) or ``Engine("models/target")``
 (a model directory; its parent's manifest, if any, names the draft and heads).
-Every request runs the same round loop (``rounds.decode``); ``mode="none"`` is plain
-target-only decoding, the reference every other mode must reproduce.
+Every request runs the same rounds (``rounds.SequenceRounds``) through the continuous
+batching scheduler; ``mode="none"`` is plain target-only decoding, the reference every
+other mode must reproduce.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .batching import BatchEngineLoop, BatchScheduler, Job
 from .cached_decoder import CachedDecoder
 from .errors import InvalidRequestError, ModelLoadError
 from .heads import HeadModel, load_head
@@ -27,7 +29,6 @@ from .proposers.eagle3 import Eagle3Proposer
 from .proposers.mtp import MtpProposer
 from .proposers.prompt_lookup import PromptLookupProposer
 from .proposers.shared_kv import SharedKvProposer
-from .batching import BatchEngineLoop, BatchScheduler, Job
 from .rounds import SequenceRounds
 from .sampling import TokenLogprob
 from .sequence import FinishReason, SequenceState, TokenCallback
@@ -85,6 +86,7 @@ class Engine:
             "none": lambda k: None,
             "prompt_lookup": lambda k: PromptLookupProposer(self.config.speculative.prompt_lookup_ngram, k),
         }
+        self.needs: dict[str, Needs] = {}  # what each head mode takes from the target
         self._load_proposers()
         default = self.config.speculative.default_mode
         if default not in self._factories:
@@ -126,15 +128,15 @@ class Engine:
                 continue
             head = load_head(kind, self.bundle_dir / entry.directory, self.target.decoder.vocab_size, hidden,
                              self.config.device, self.config.proposer_threads)
-            needs = self._needs(kind, head)
+            self.needs[kind] = self._wiring(kind, head)
             self.heads[kind] = head
-            self._factories[kind] = self._head_factory(kind, head, needs)
+            self._factories[kind] = self._head_factory(kind, head)
         missing = [m for m in load if m not in self._factories]
         if missing:
             raise ModelLoadError(f"speculative modes {missing} requested but the bundle at {self.bundle_dir} "
                                  f"does not provide them")
 
-    def _needs(self, kind: str, head: HeadModel) -> Needs:
+    def _wiring(self, kind: str, head: HeadModel) -> Needs:
         wiring = head.config.get("target_hidden_inputs", {})
         outputs = set(self.target.decoder.io.extra_outputs)
         names = {n for group in wiring.values() for n in group}
@@ -146,14 +148,10 @@ class Engine:
         return Needs(final_hidden=final, layer_hiddens=layers,
                      shared_kv_layers=dict(head.config.get("shared_kv_groups", {})) if kind == "shared_kv" else {})
 
-    def _head_factory(self, kind: str, head: HeadModel, needs: Needs) -> Callable[[int], Proposer]:
-        def make(k: int) -> Proposer:
-            proposer = {"mtp": lambda: MtpProposer(head, self.config.speculative.mtp_kv_mode),
-                        "eagle3": lambda: Eagle3Proposer(head),
-                        "shared_kv": lambda: SharedKvProposer(head)}[kind]()
-            proposer.needs = needs
-            return proposer
-        return make
+    def _head_factory(self, kind: str, head: HeadModel) -> Callable[[int], Proposer]:
+        if kind == "mtp":
+            return lambda k: MtpProposer(head, self.config.speculative.mtp_kv_mode)
+        return (lambda k: Eagle3Proposer(head)) if kind == "eagle3" else (lambda k: SharedKvProposer(head))
 
     # -- serving ---------------------------------------------------------------------------
     @property
@@ -189,8 +187,14 @@ class Engine:
         def start() -> SequenceRounds:
             proposer = self._factories[mode](k)
             seq_id = next(self._seq_ids)
-            target.cache.add_sequence(seq_id)
-            return SequenceRounds(target, seq_id, state, proposer, k, np.random.default_rng(options.seed), stats)
+            try:
+                target.cache.add_sequence(seq_id)
+            except Exception:
+                if proposer is not None:
+                    proposer.close()
+                raise
+            return SequenceRounds(target, seq_id, state, proposer, k, np.random.default_rng(options.seed), stats,
+                                  self.needs.get(mode, Needs()))
 
         def finish(rounds: SequenceRounds) -> None:
             try:

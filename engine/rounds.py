@@ -53,10 +53,9 @@ class SequenceRounds:
     """One sequence's rounds: its state, its proposer, its place in the target cache."""
 
     def __init__(self, target: CachedDecoder, seq_id: Hashable, state: SequenceState, proposer: Proposer | None,
-                 num_drafts: int, rng: np.random.Generator, stats: SpeculativeStats) -> None:
+                 num_drafts: int, rng: np.random.Generator, stats: SpeculativeStats, needs: Needs = Needs()) -> None:
         self.target, self.seq_id, self.state, self.proposer = target, seq_id, state, proposer
-        self.num_drafts, self.rng, self.stats = num_drafts, rng, stats
-        self.needs: Needs = getattr(proposer, "needs", Needs())
+        self.num_drafts, self.rng, self.stats, self.needs = num_drafts, rng, stats, needs
         self.prefilled = False
         self.resuming = False  # preempted: re-prefill committed tokens, commit nothing new
         self.prefill_seconds = 0.0
@@ -148,9 +147,9 @@ class SequenceRounds:
 
 
 def decode(target: CachedDecoder, seq_id: Hashable, state: SequenceState, proposer: Proposer | None,
-           num_drafts: int, rng: np.random.Generator, stats: SpeculativeStats) -> float:
-    """Run one sequence's rounds until it finishes; returns the prefill seconds."""
-    rounds = SequenceRounds(target, seq_id, state, proposer, num_drafts, rng, stats)
+           num_drafts: int, rng: np.random.Generator, stats: SpeculativeStats, needs: Needs = Needs()) -> float:
+    """Run one sequence's rounds on its own until it finishes; returns the prefill seconds."""
+    rounds = SequenceRounds(target, seq_id, state, proposer, num_drafts, rng, stats, needs)
     while not rounds.finished:
         rounds.complete(target.feed_batch([rounds.plan()])[0])
     return rounds.prefill_seconds

@@ -16,6 +16,18 @@ from .conftest import CPU_CONFIG, MODELS, TARGET_DIR
 MIXED = ["none", "prompt_lookup", "draft_model", "mtp", "eagle3", "shared_kv"]
 
 
+def generate_concurrently(engine: Engine, jobs) -> list[list[int] | None]:
+    """One thread per (prompt, options); returns each job's tokens (None if it never returned)."""
+    results: dict[int, list[int]] = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, engine.generate(*jobs[i]).token_ids))
+               for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    return [results.get(i) for i in range(len(jobs))]
+
+
 def test_a_padded_batch_gives_each_sequence_its_own_logits_and_kv(bundle_engine, heldout_prompts):
     target = bundle_engine.target
     prompts = [target.encode_prompt(p)[:n] for p, n in zip(heldout_prompts[:3], (40, 25, 33))]
@@ -56,14 +68,7 @@ def test_concurrent_requests_are_batched_and_each_matches_its_solo_run(heldout_p
         return original(requests)
 
     engine.target.feed_batch = spy
-    results: dict[int, list[int]] = {}
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, engine.generate(*jobs[i]).token_ids))
-               for i in range(len(jobs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert [results[i] for i in range(len(jobs))] == solo
+    assert generate_concurrently(engine, jobs) == solo
     assert max(batch_sizes) >= 4, f"requests were not batched: {batch_sizes}"
     assert engine.target.cache.used_blocks == 0 and engine.draft.cache.used_blocks == 0
 
@@ -79,14 +84,7 @@ def test_a_small_pool_makes_requests_wait_or_be_preempted_not_fail(heldout_promp
     original_preempt = SequenceRounds.preempt
     monkeypatch.setattr(SequenceRounds, "preempt", lambda self: (preemptions.append(self.seq_id),
                                                                  original_preempt(self)))
-    results: dict[int, list[int]] = {}
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, engine.generate(*jobs[i]).token_ids))
-               for i in range(len(jobs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert [results.get(i) for i in range(len(jobs))] == solo
+    assert generate_concurrently(engine, jobs) == solo
     assert preemptions, "the pool never ran short: this test would prove nothing"
     assert engine.target.cache.used_blocks == 0
     with pytest.raises(KVCacheCapacityError, match="needs"):

@@ -107,7 +107,7 @@ class StatelessProposer:
         return None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Needs:
     """What the round loop must hand a proposer kind (so it computes nothing unneeded)."""
 
