@@ -223,6 +223,10 @@ def main() -> None:
         np.save(path, tensor.detach().numpy().astype(np.float16))
         arrays[key] = ArrayEntry(file=f"target/{key}.npy", shape=tuple(tensor.shape), dtype="float16", meaning=meaning)
 
+    print("[6/7] proposer heads (self-distilled from the target)")
+    heads = build_heads(out, target, train_tokens, heldout_tokens, TARGET_AUX, SEED + 2, args.batch_size, SEQ_LEN,
+                        args.head_steps)
+
     print("[7/7] cost of a target step vs. a one-layer head step")
     with tempfile.TemporaryDirectory() as tmp:
         head_shape = LlamaShape(VOCAB, TARGET_SHAPE.hidden_size, 1, TARGET_SHAPE.num_heads,
