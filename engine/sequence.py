@@ -80,10 +80,10 @@ class SequenceState:
             self.finish_reason = "stop"
             self._emit(token_id, logprob, stop_at)
             return True
-        if len(self.generated) >= self.options.max_new_tokens or len(self.tokens) >= self.max_context:
-            self.finish_reason = "length"
+        if len(self.tokens) - self.prompt_len >= self.options.max_new_tokens or len(self.tokens) >= self.max_context:
             self._text += self._decoder.flush()
-            stop_at = self._find_stop()
+            stop_at = self._find_stop()  # the flushed tail may complete a stop string
+            self.finish_reason = "length" if stop_at is None else "stop"
             self._emit(token_id, logprob, len(self._text) if stop_at is None else stop_at)
             return True
         self._emit(token_id, logprob, max(self._emitted, len(self._text) - self._holdback))

@@ -77,8 +77,10 @@ def test_a_small_pool_makes_requests_wait_or_be_preempted_not_fail(heldout_promp
     """14 blocks of 16 tokens: two ~70-token prompts fit, but not once both have grown by
     40 tokens, so the newest is preempted (blocks freed, committed tokens re-prefilled
     later). Every output must still equal its solo run."""
-    engine = Engine(TARGET_DIR, EngineConfig(device="cpu", kv_num_blocks=14, kv_block_size=16))
-    jobs = [(heldout_prompts[i], GenerationOptions(max_new_tokens=40, ignore_eos=True)) for i in range(4)]
+    engine = Engine(MODELS, EngineConfig(device="cpu", kv_num_blocks=14, kv_block_size=16))
+    modes = ["none", "draft_model", "eagle3", "shared_kv"]  # preempted heads must get their anchor back
+    jobs = [(heldout_prompts[i], GenerationOptions(max_new_tokens=40, ignore_eos=True, speculative_mode=modes[i]))
+            for i in range(4)]
     solo = [engine.generate(p, o).token_ids for p, o in jobs]
     preemptions = []
     original_preempt = SequenceRounds.preempt
@@ -86,7 +88,7 @@ def test_a_small_pool_makes_requests_wait_or_be_preempted_not_fail(heldout_promp
                                                                  original_preempt(self)))
     assert generate_concurrently(engine, jobs) == solo
     assert preemptions, "the pool never ran short: this test would prove nothing"
-    assert engine.target.cache.used_blocks == 0
+    assert engine.target.cache.used_blocks == 0 and engine.draft.cache.used_blocks == 0
     with pytest.raises(KVCacheCapacityError, match="needs"):
         engine.generate(list(range(10, 10 + 300)), GenerationOptions(max_new_tokens=4))
 

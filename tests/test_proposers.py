@@ -169,3 +169,27 @@ def test_round_loop_drives_any_proposer_and_reports_acceptance(bundle_engine, he
     assert state.generated == expected
     assert stub.accepted[0] == (2, expected[1:4], len(prompt) + 4)
     assert stub.widths[0] == 4 and stub.widths[-1] <= 6 - 4 + 1
+
+
+def test_a_full_draft_pool_means_no_drafts_not_a_failed_request(bundle_engine, heldout_prompts):
+    from engine.cached_decoder import CachedDecoder
+    from engine.options import EngineConfig
+    from engine.proposers.draft_model import DraftModelProposer
+
+    tiny_draft = CachedDecoder(MODELS / "draft", EngineConfig(device="cpu", kv_num_blocks=2, kv_block_size=16))
+    target = bundle_engine.target
+    prompt = target.encode_prompt(heldout_prompts[12])
+    assert len(prompt) > 32  # more than the tiny pool holds
+    options = GenerationOptions(max_new_tokens=12, ignore_eos=True)
+    expected = bundle_engine.generate(prompt, options).token_ids
+    state = SequenceState(prompt, options, target.tokenizer, target.eos_token_ids, target.max_context)
+    stats = SpeculativeStats()
+    proposer = DraftModelProposer(tiny_draft)
+    target.cache.add_sequence("tiny")
+    try:
+        decode(target, "tiny", state, proposer, 4, np.random.default_rng(0), stats)
+    finally:
+        target.cache.free("tiny")
+        proposer.close()
+    assert state.generated == expected and stats.proposed_tokens == 0
+    assert tiny_draft.cache.used_blocks == 0
