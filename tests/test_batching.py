@@ -128,3 +128,24 @@ def test_one_failing_request_does_not_disturb_the_batch(heldout_prompts, monkeyp
         t.join(timeout=300)
     assert outcome == {"good": expected, "bad": "proposer crashed"}
     assert engine.target.cache.used_blocks == 0 and engine.draft.cache.used_blocks == 0
+
+
+class ClientGone(Exception):
+    """What a streaming consumer raises when its client disconnects."""
+
+
+def test_a_stream_consumer_can_cancel_its_request_and_every_block_comes_back(bundle_engine, heldout_prompts):
+    seen = []
+
+    def consumer(event):
+        seen.append(event.token_id)
+        if len(seen) == 5:
+            raise ClientGone()
+
+    with pytest.raises(ClientGone):
+        bundle_engine.generate(heldout_prompts[1], GenerationOptions(max_new_tokens=64, speculative_mode="draft_model"),
+                               on_token=consumer)
+    assert len(seen) == 5
+    assert bundle_engine.target.cache.used_blocks == 0 and bundle_engine.draft.cache.used_blocks == 0
+    # The engine keeps serving afterwards.
+    assert bundle_engine.generate(heldout_prompts[1], GenerationOptions(max_new_tokens=4)).completion_tokens == 4
