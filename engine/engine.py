@@ -29,7 +29,7 @@ from .proposers.eagle3 import Eagle3Proposer
 from .proposers.mtp import MtpProposer
 from .proposers.prompt_lookup import PromptLookupProposer
 from .proposers.shared_kv import SharedKvProposer
-from .rounds import SequenceRounds
+from .rounds import NO_NEEDS, SequenceRounds
 from .sampling import TokenLogprob
 from .sequence import FinishReason, SequenceState, TokenCallback
 from .stats import SpeculativeStats
@@ -194,7 +194,7 @@ class Engine:
                     proposer.close()
                 raise
             return SequenceRounds(target, seq_id, state, proposer, k, np.random.default_rng(options.seed), stats,
-                                  self.needs.get(mode, Needs()))
+                                  self.needs.get(mode, NO_NEEDS))
 
         def finish(rounds: SequenceRounds) -> None:
             try:

@@ -31,6 +31,9 @@ from .stats import SpeculativeStats
 from .verify import verify
 
 
+NO_NEEDS = Needs()  # target-only decoding and model-free proposers take nothing from the target
+
+
 class NoProgressError(EngineError):
     """A round committed nothing: a bug, never a state to loop in."""
 
@@ -53,7 +56,7 @@ class SequenceRounds:
     """One sequence's rounds: its state, its proposer, its place in the target cache."""
 
     def __init__(self, target: CachedDecoder, seq_id: Hashable, state: SequenceState, proposer: Proposer | None,
-                 num_drafts: int, rng: np.random.Generator, stats: SpeculativeStats, needs: Needs = Needs()) -> None:
+                 num_drafts: int, rng: np.random.Generator, stats: SpeculativeStats, needs: Needs = NO_NEEDS) -> None:
         self.target, self.seq_id, self.state, self.proposer = target, seq_id, state, proposer
         self.num_drafts, self.rng, self.stats, self.needs = num_drafts, rng, stats, needs
         self.prefilled = False
@@ -147,7 +150,7 @@ class SequenceRounds:
 
 
 def decode(target: CachedDecoder, seq_id: Hashable, state: SequenceState, proposer: Proposer | None,
-           num_drafts: int, rng: np.random.Generator, stats: SpeculativeStats, needs: Needs = Needs()) -> float:
+           num_drafts: int, rng: np.random.Generator, stats: SpeculativeStats, needs: Needs = NO_NEEDS) -> float:
     """Run one sequence's rounds on its own until it finishes; returns the prefill seconds."""
     rounds = SequenceRounds(target, seq_id, state, proposer, num_drafts, rng, stats, needs)
     while not rounds.finished:

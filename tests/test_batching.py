@@ -11,7 +11,7 @@ from engine import Engine, EngineConfig, GenerationOptions, KVCacheCapacityError
 from engine.cached_decoder import FeedRequest
 from engine.rounds import SequenceRounds
 
-from .conftest import CPU_CONFIG, MODELS, TARGET_DIR
+from .conftest import CPU_CONFIG, MODELS
 
 MIXED = ["none", "prompt_lookup", "draft_model", "mtp", "eagle3", "shared_kv"]
 

@@ -5,7 +5,6 @@ head count and head dim), holds its position constant, and threads its
 ``projected_state``. The first step is a bootstrap whose draft is discarded."""
 from __future__ import annotations
 
-from typing import Sequence
 
 import numpy as np
 
