@@ -12,6 +12,8 @@ decoding commits them.
 A round is split in two halves around the target pass -- ``plan`` (propose; say what to
 feed) and ``complete`` (verify, rewind, commit, notify the proposer) -- so that one
 pass can serve a whole batch of sequences (``batching.py``) with the same algorithm.
+Inside ``complete``, ``verify_on_target`` is the only part that reads logits; it returns
+a small ``RoundOutcome``, which is what a remote target will send back.
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ from .cached_decoder import CachedDecoder, FeedRequest, SequenceOutput
 from .errors import EngineError
 from .proposers.base import AcceptContext, Needs, Proposer, ProposerContext
 from .proposers.shared_kv import shared_kv_slices
-from .sampling import token_logprob
+from .options import GenerationOptions
+from .sampling import TokenLogprob, token_logprob
 from .sequence import SequenceState
 from .stats import SpeculativeStats
 from .verify import verify
@@ -95,34 +98,28 @@ class SequenceRounds:
 
     def complete(self, out: SequenceOutput) -> None:
         """Verify this round's drafts against the target's rows and commit the result."""
-        state, options = self.state, self.state.options
+        state = self.state
         if self.resuming:
             self._anchor = Anchor.from_output(out, -1, self.needs)
             self.resuming = False
             return
-        if not self.prefilled:
-            first = verify(out.logits[-1:], [], None, state.tokens, options, self.rng).next_token
-            self._commit(out.logits[-1:], [first])
-            self._anchor = Anchor.from_output(out, -1, self.needs)
+        drafts, probs = (self._drafts, self._probs) if self.prefilled else ([], None)
+        outcome = verify_on_target(self.target, self.seq_id, out, drafts, probs, state.tokens, state.options,
+                                   self.rng, self.needs)
+        committed = self._commit(outcome)
+        self._anchor = outcome.anchor
+        if not self.prefilled:  # the prefill's last row chose the first token
             self.prefilled = True
             self.prefill_seconds = time.perf_counter() - self._started
             return
-        drafts = self._drafts
-        verdict = verify(out.logits, drafts, self._probs, state.tokens, options, self.rng)
-        cache = self.target.cache
-        rejected = len(drafts) - verdict.accepted
-        if rejected:
-            cache.rewind(self.seq_id, cache.length(self.seq_id) - rejected)
-        to_commit = [*drafts[: verdict.accepted], verdict.next_token]
-        committed = self._commit(out.logits, to_commit)
-        self.stats.record_round(len(drafts), verdict.accepted, committed)
+        self.stats.record_round(len(drafts), outcome.accepted, committed)
         if committed == 0:
             raise NoProgressError("speculative decoding made no progress")
         if self.proposer is not None:
-            self.proposer.accept(AcceptContext(verdict.accepted, to_commit[:committed], list(state.tokens)))
-        self._anchor = Anchor.from_output(out, verdict.accepted, self.needs)
-        excess = verdict.accepted - committed  # accepted drafts in the KV that a stop left uncommitted
+            self.proposer.accept(AcceptContext(outcome.accepted, outcome.tokens[:committed], list(state.tokens)))
+        excess = outcome.accepted - committed  # accepted drafts in the KV that a stop left uncommitted
         if excess > 0:
+            cache = self.target.cache
             cache.rewind(self.seq_id, cache.length(self.seq_id) - excess)
 
     def preempt(self) -> None:
@@ -135,18 +132,42 @@ class SequenceRounds:
         if self.proposer is not None:
             self.proposer.rewind(list(self.state.tokens))
 
-    def _commit(self, rows: np.ndarray, tokens: list[int]) -> int:
-        """Commit ``tokens`` (token i chosen from ``rows[i]``) until the sequence finishes;
-        returns how many were committed."""
-        state, committed = self.state, 0
-        options = state.options
-        for row, token in zip(rows, tokens):
-            logprob = (token_logprob(row, token, options.top_logprobs, self.target.tokenizer.token_text)
-                       if options.logprobs else None)
+    def _commit(self, outcome: "RoundOutcome") -> int:
+        """Commit the outcome's tokens in order until the sequence finishes; returns how many."""
+        committed = 0
+        for i, token in enumerate(outcome.tokens):
             committed += 1
-            if state.commit(token, logprob):
+            if self.state.commit(token, outcome.logprobs[i] if outcome.logprobs else None):
                 break
         return committed
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What one round's verification yields for a sequence: O(k + hidden size), never
+    logits -- exactly what must cross a process boundary when the target is remote."""
+
+    accepted: int                          # drafts accepted (a prefix)
+    tokens: list[int]                      # the accepted drafts, then the correction/bonus token
+    logprobs: list[TokenLogprob] | None    # of those tokens, from the target's rows
+    anchor: Anchor                         # target hidden states at the last accepted position
+
+
+def verify_on_target(target: CachedDecoder, seq_id: Hashable, out: SequenceOutput, drafts: list[int],
+                     probs: np.ndarray | None, context: list[int], options: GenerationOptions,
+                     rng: np.random.Generator, needs: Needs) -> RoundOutcome:
+    """The half of a round that needs the target's logits: accept or reject the drafts
+    against the last ``len(drafts) + 1`` rows of ``out`` and rewind the rejected KV."""
+    rows = out.logits[-(len(drafts) + 1):]  # a prefill's last row, or a round's k + 1 rows
+    verdict = verify(rows, drafts, probs, context, options, rng)
+    rejected = len(drafts) - verdict.accepted
+    if rejected:
+        target.cache.rewind(seq_id, target.cache.length(seq_id) - rejected)
+    tokens = [*drafts[: verdict.accepted], verdict.next_token]
+    logprobs = ([token_logprob(rows[i], t, options.top_logprobs, target.tokenizer.token_text)
+                 for i, t in enumerate(tokens)] if options.logprobs else None)
+    anchor_row = verdict.accepted - len(rows)  # index from the end of ``out``: the last accepted position
+    return RoundOutcome(verdict.accepted, tokens, logprobs, Anchor.from_output(out, anchor_row, needs))
 
 
 def decode(target: CachedDecoder, seq_id: Hashable, state: SequenceState, proposer: Proposer | None,
