@@ -81,14 +81,14 @@ class SequenceRounds:
             return FeedRequest(self.seq_id, list(state.tokens[:-1]), 0)
         if not self.prefilled:  # the prefill: the whole prompt, its last row picks the first token
             return FeedRequest(self.seq_id, list(state.tokens), 0)
-        options = state.options
-        width = min(self.num_drafts + 1, options.max_new_tokens - len(state.generated),
+        options, generated = state.options, state.generated
+        width = min(self.num_drafts + 1, options.max_new_tokens - len(generated),
                     state.max_context - len(state.tokens))
         self._drafts, self._probs = [], None
         if self.proposer is not None and width > 1:
             proposal = self.proposer.propose(ProposerContext(
-                width=width, context_tokens=state.tokens, generated_tokens=state.generated,
-                generated_text=state.text, step=len(state.generated), options=options,
+                width=width, context_tokens=state.tokens, generated_tokens=generated,
+                generated_text=state.text, step=len(generated), options=options,
                 target_hidden=self._anchor.final, target_hidden_layers=self._anchor.layers, rng=self.rng,
                 shared_kv=shared_kv_slices(self.target.cache, self.seq_id, self.needs.shared_kv_layers)
                 if self.needs.shared_kv_layers else None))

@@ -67,13 +67,6 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     return min(index, len(probs) - 1)
 
 
-def select_token(logits: np.ndarray, context: Sequence[int], options: GenerationOptions,
-                 rng: np.random.Generator) -> int:
-    if options.greedy:
-        return int(np.argmax(processed_logits(logits, context, options)))
-    return sample(token_distribution(logits, context, options), rng)
-
-
 @dataclass(frozen=True)
 class TopLogprob:
     token_id: int

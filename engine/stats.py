@@ -51,11 +51,3 @@ class SpeculativeStats:
             mine.extend([0] * (len(theirs) - len(mine)))
             for i, value in enumerate(theirs):
                 mine[i] += value
-
-    def as_dict(self) -> dict:
-        return {"mode": self.mode, "verification_steps": self.verification_steps,
-                "proposed_tokens": self.proposed_tokens, "accepted_tokens": self.accepted_tokens,
-                "multi_token_accepts": self.multi_token_accepts, "committed_tokens": self.committed_tokens,
-                "acceptance_rate": round(self.acceptance_rate, 4),
-                "acceptance_per_position": [round(x, 4) for x in self.acceptance_per_position],
-                "mean_accepted_length": round(self.mean_accepted_length, 4)}

@@ -92,7 +92,8 @@ def test_stats_count_rounds_acceptance_per_position_and_tau(bundle_engine, heldo
     assert s.committed_tokens == 47 and s.verification_steps > 0
     assert s.mean_accepted_length == pytest.approx(47 / s.verification_steps)
     assert s.accepted_tokens == sum(s.accepted_per_position) and s.proposed_tokens == sum(s.proposed_per_position)
-    assert all(a <= p for a, p in zip(s.accepted_per_position, s.proposed_per_position))
+    assert s.acceptance_per_position == [a / p for a, p in zip(s.accepted_per_position, s.proposed_per_position)]
+    assert all(0 <= rate <= 1 for rate in s.acceptance_per_position)
     # Acceptance can only fall with depth: position i+1 is reached only through position i.
     assert all(x >= y for x, y in zip(s.accepted_per_position, s.accepted_per_position[1:]))
     before = bundle_engine.cumulative_stats["eagle3"].verification_steps
