@@ -11,11 +11,11 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from .errors import InvalidRequestError, ModelLoadError, PromptTooLongError
+from .errors import ModelLoadError
 from .kv_cache import KVCacheCapacityError, PagedKVCache
 from .onnx_model import OnnxDecoder
 from .options import EngineConfig
-from .tokenizer import TextTokenizer
+from .tokenizer import TextTokenizer, encode_prompt
 
 
 @dataclass(frozen=True)
@@ -114,13 +114,4 @@ class CachedDecoder:
         return outputs
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        if not ids:
-            raise InvalidRequestError("prompt is empty: at least one token is needed")
-        bad = [t for t in ids if not 0 <= t < self.decoder.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"prompt token ids out of range [0, {self.decoder.vocab_size}): {bad[:5]}")
-        if len(ids) >= self.max_context:
-            raise PromptTooLongError(f"prompt has {len(ids)} tokens; the context limit is {self.max_context}, "
-                                     "which leaves no room for a new token")
-        return ids
+        return encode_prompt(self.tokenizer, prompt, self.decoder.vocab_size, self.max_context)

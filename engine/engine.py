@@ -20,22 +20,20 @@ import numpy as np
 from .batching import BatchEngineLoop, BatchScheduler, Job
 from .cached_decoder import CachedDecoder
 from .errors import InvalidRequestError, ModelLoadError
-from .heads import HeadModel, load_head
+from .heads import HeadModel
 from .manifest import MANIFEST_NAME, BundleManifest
 from .options import SPECULATIVE_MODES, EngineConfig, GenerationOptions
+from .proposer_loading import (HEAD_MODES, MODEL_MODES, head_needs, head_proposer_factory, load_draft,
+                               load_head_model)
 from .proposers.base import Needs, Proposer
 from .proposers.draft_model import DraftModelProposer
-from .proposers.eagle3 import Eagle3Proposer
-from .proposers.mtp import MtpProposer
 from .proposers.prompt_lookup import PromptLookupProposer
-from .proposers.shared_kv import SharedKvProposer
 from .rounds import NO_NEEDS, SequenceRounds
 from .sampling import TokenLogprob
 from .sequence import FinishReason, SequenceState, TokenCallback
 from .stats import SpeculativeStats
 from .tokenizer import TextTokenizer
 
-HEAD_MODES = ("mtp", "eagle3", "shared_kv")
 # A verify pass lets draft i see window + i keys and evicts before rejected drafts are
 # rewound, so speculation under a sliding window could change the output: refuse it.
 _WINDOW_REFUSAL = ("speculative decoding needs a full-attention KV cache to stay lossless; this engine has "
@@ -107,51 +105,29 @@ class Engine:
     def _load_proposers(self) -> None:
         load = self.config.speculative.load or ()
         if self.manifest is None:
-            needs_bundle = [m for m in load if m in ("draft_model", *HEAD_MODES)]
+            needs_bundle = [m for m in load if m in MODEL_MODES]
             if needs_bundle:
                 raise ModelLoadError(f"speculative modes {needs_bundle} need a model bundle with {MANIFEST_NAME}; "
                                      f"none found next to {self.target.decoder.model_dir}")
             return
+        vocab = self.target.decoder.vocab_size
         if self._wanted("draft_model") and "draft" in self.manifest.models:
-            # The draft keeps its full context: it is re-aligned to the target every round.
-            draft_config = self.config.model_copy(update={"sliding_window": None, "sink_tokens": 0,
-                                                          "intra_op_threads": self.config.proposer_threads})
-            self.draft = CachedDecoder(self.bundle_dir / self.manifest.models["draft"].directory, draft_config)
-            if self.draft.decoder.vocab_size != self.target.decoder.vocab_size:
-                raise ModelLoadError(f"draft vocab {self.draft.decoder.vocab_size} != target vocab "
-                                     f"{self.target.decoder.vocab_size}: a draft must share the target's tokenizer")
+            self.draft = load_draft(self.bundle_dir, self.manifest, self.config, vocab)
             self._factories["draft_model"] = lambda k: DraftModelProposer(self.draft)
-        hidden = self.manifest.models["target"].architecture.hidden_size
+        final = self.manifest.models["target"].hidden_outputs.final
+        outputs = set(self.target.decoder.io.extra_outputs)
         for kind in HEAD_MODES:
-            entry = self.manifest.heads.get(kind)
-            if entry is None or not self._wanted(kind):
+            if kind not in self.manifest.heads or not self._wanted(kind):
                 continue
-            head = load_head(kind, self.bundle_dir / entry.directory, self.target.decoder.vocab_size, hidden,
-                             self.config.device, self.config.proposer_threads)
-            self.needs[kind] = self._wiring(kind, head)
+            head = load_head_model(kind, self.bundle_dir, self.manifest, self.config, vocab)
+            self.needs[kind] = head_needs(kind, head.config, final, outputs)
             self.heads[kind] = head
-            self._factories[kind] = self._head_factory(kind, head)
+            make = head_proposer_factory(kind, head, self.config)
+            self._factories[kind] = lambda k, make=make: make()
         missing = [m for m in load if m not in self._factories]
         if missing:
             raise ModelLoadError(f"speculative modes {missing} requested but the bundle at {self.bundle_dir} "
                                  f"does not provide them")
-
-    def _wiring(self, kind: str, head: HeadModel) -> Needs:
-        wiring = head.config.get("target_hidden_inputs", {})
-        outputs = set(self.target.decoder.io.extra_outputs)
-        names = {n for group in wiring.values() for n in group}
-        if names - outputs:
-            raise ModelLoadError(f"{kind} head needs target outputs {sorted(names - outputs)}, which the target "
-                                 f"does not produce (it has {sorted(outputs)})")
-        final = self.manifest.models["target"].hidden_outputs.final
-        layers = tuple(wiring.get("fused_hidden", ())) if kind == "eagle3" else ()
-        return Needs(final_hidden=final, layer_hiddens=layers,
-                     shared_kv_layers=dict(head.config.get("shared_kv_groups", {})) if kind == "shared_kv" else {})
-
-    def _head_factory(self, kind: str, head: HeadModel) -> Callable[[int], Proposer]:
-        if kind == "mtp":
-            return lambda k: MtpProposer(head, self.config.speculative.mtp_kv_mode)
-        return (lambda k: Eagle3Proposer(head)) if kind == "eagle3" else (lambda k: SharedKvProposer(head))
 
     # -- serving ---------------------------------------------------------------------------
     @property

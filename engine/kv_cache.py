@@ -64,6 +64,7 @@ class _Seq:
     table: list[int | None] = field(default_factory=list)
     end: int = 0
     dropped: int = 0
+    reserved: list[int] | None = None  # blocks granted up front (by a KV manager), used in order
 
     @property
     def length(self) -> int:
@@ -131,11 +132,30 @@ class PagedKVCache:
 
     # ------------------------------------------------------------------ sequences
 
-    def add_sequence(self, seq_id: Hashable) -> None:
-        """Register an empty sequence; it owns no blocks until its first append."""
+    def add_sequence(self, seq_id: Hashable, reserved: Sequence[int] | None = None) -> None:
+        """Register an empty sequence; it owns no blocks until its first append.
+
+        ``reserved``: physical block ids granted to this sequence by an outside allocator
+        (the distributed KV manager). They leave the free list now; the sequence's appends
+        use them in order and only them, and rewinds hand them back to the reservation, so
+        its block table is always a prefix of the grant and other sequences can never
+        take them. Freeing the sequence returns them to the pool.
+        """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
-        self._seqs[seq_id] = _Seq()
+        if reserved is None:
+            self._seqs[seq_id] = _Seq()
+            return
+        if self.sliding_window is not None:
+            raise ValueError("block reservations cannot be combined with a sliding window")
+        reserved = [int(b) for b in reserved]
+        free = set(self._free)
+        taken = [b for b in reserved if b not in free]
+        if taken or len(set(reserved)) != len(reserved):
+            raise KVCacheCapacityError(f"sequence {seq_id!r}: reserved blocks {taken or reserved} are not all "
+                                       "free and distinct; the reservation disagrees with this pool")
+        self._free = [b for b in self._free if b not in set(reserved)]
+        self._seqs[seq_id] = _Seq(reserved=reserved)
 
     def has_sequence(self, seq_id: Hashable) -> bool:
         return seq_id in self._seqs
@@ -203,20 +223,34 @@ class PagedKVCache:
         """Net new blocks an append of ``extra_tokens`` needs, for admission control.
 
         Blocks that the append's own window eviction would free are netted off, so
-        ``append`` succeeds exactly when ``blocks_needed(...) <= free_blocks``.
+        ``append`` succeeds exactly when ``blocks_needed(...) <= free_blocks``. A sequence
+        with a reservation needs 0 pool blocks, or raises ``KVCacheCapacityError`` when
+        the append would outgrow its grant.
         """
         if extra_tokens < 0:
             raise ValueError(f"extra_tokens must be >= 0, got {extra_tokens}")
-        return self._plan_append(self._get(seq_id), extra_tokens).net_blocks
+        s = self._get(seq_id)
+        needed = self._plan_append(s, extra_tokens).net_blocks
+        if s.reserved is None:
+            return needed
+        if needed > len(s.reserved):  # a reserved sequence draws from its grant, never the pool
+            raise KVCacheCapacityError(f"sequence {seq_id!r} needs {needed} more block(s) but only "
+                                       f"{len(s.reserved)} of its reserved blocks are left")
+        return 0
 
     # ------------------------------------------------------------------ mutation
 
     def _release(self, s: _Seq, indices: Sequence[int] | range) -> None:
+        returned = []
         for b in indices:
             block = s.table[b]
             if block is not None:
-                self._free.append(block)
+                returned.append(block)
                 s.table[b] = None
+        if s.reserved is not None:
+            s.reserved[:0] = returned  # back to the front of the grant, in table order
+        else:
+            self._free.extend(returned)
 
     def apply_sliding_window(self, seq_id: Hashable) -> None:
         """Evict the oldest non-sink tokens beyond the window and free blocks left empty.
@@ -239,7 +273,11 @@ class PagedKVCache:
         s = self._get(seq_id)
         keys, values, n = self._check_kv(keys, values)
         plan = self._plan_append(s, n)
-        if plan.net_blocks > len(self._free):
+        if s.reserved is not None and len(plan.allocate) > len(s.reserved):
+            raise KVCacheCapacityError(
+                f"sequence {seq_id!r} needs {len(plan.allocate)} more block(s) to append {n} token(s) "
+                f"but only {len(s.reserved)} of its reserved blocks are left")
+        if s.reserved is None and plan.net_blocks > len(self._free):
             raise KVCacheCapacityError(
                 f"sequence {seq_id!r} needs {plan.net_blocks} more block(s) to append {n} token(s) "
                 f"but only {len(self._free)} of {self.num_blocks} are free")
@@ -250,7 +288,7 @@ class PagedKVCache:
         s.end = plan.end
         self.apply_sliding_window(seq_id)
         for b in plan.allocate:
-            s.table[b] = self._free.pop()
+            s.table[b] = self._free.pop() if s.reserved is None else s.reserved.pop(0)
 
         # Write only the new tokens that survived the eviction (some may be evicted at once).
         slots = np.arange(old_end, s.end)
@@ -312,6 +350,8 @@ class PagedKVCache:
         """Release all blocks of the sequence and forget it."""
         s = self._get(seq_id)
         self._release(s, range(len(s.table)))
+        if s.reserved is not None:
+            self._free.extend(s.reserved)
         del self._seqs[seq_id]
 
     # ------------------------------------------------------------------ reading

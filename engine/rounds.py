@@ -25,7 +25,7 @@ import numpy as np
 
 from .cached_decoder import CachedDecoder, FeedRequest, SequenceOutput
 from .errors import EngineError
-from .proposers.base import AcceptContext, Needs, Proposer, ProposerContext
+from .proposers.base import AcceptContext, Needs, Proposer, ProposerContext, SharedKvSlice
 from .proposers.shared_kv import shared_kv_slices
 from .options import GenerationOptions
 from .sampling import TokenLogprob, token_logprob
@@ -47,12 +47,46 @@ class Anchor:
 
     final: np.ndarray | None = None
     layers: tuple[np.ndarray, ...] | None = None
+    shared_kv: tuple[SharedKvSlice, ...] | None = None  # set only when the target is remote
 
     @classmethod
     def from_output(cls, out: SequenceOutput, row: int, needs: Needs) -> "Anchor":
         final = out.extras[needs.final_hidden][row] if needs.final_hidden else None
         layers = tuple(out.extras[name][row] for name in needs.layer_hiddens) or None
         return cls(final, layers)
+
+
+def draft_width(state: SequenceState, num_drafts: int) -> int:
+    """Most tokens the next round may commit (drafts + 1): never past max_new_tokens or
+    the context limit, so a verify pass never writes KV the sequence cannot keep."""
+    return min(num_drafts + 1, state.options.max_new_tokens - len(state.generated),
+               state.max_context - len(state.tokens))
+
+
+def proposer_context(width: int, tokens: list[int], prompt_len: int, options: GenerationOptions, anchor: Anchor,
+                     rng: np.random.Generator | None, text: str = "", shared_kv=None) -> ProposerContext:
+    """What a proposer sees, built the same way in-process and on a proposer replica."""
+    return ProposerContext(width=width, context_tokens=tokens, generated_tokens=tokens[prompt_len:],
+                           generated_text=text, step=len(tokens) - prompt_len, options=options,
+                           target_hidden=anchor.final, target_hidden_layers=anchor.layers, rng=rng,
+                           shared_kv=shared_kv if shared_kv is not None else anchor.shared_kv)
+
+
+def commit_outcome(state: SequenceState, outcome: "RoundOutcome") -> int:
+    """Commit the outcome's tokens in order until the sequence finishes; returns how many."""
+    committed = 0
+    for i, token in enumerate(outcome.tokens):
+        committed += 1
+        if state.commit(token, outcome.logprobs[i] if outcome.logprobs else None):
+            break
+    return committed
+
+
+def record_round(stats: SpeculativeStats, drafts: int, accepted: int, committed: int) -> None:
+    """Count a verify round; a round that commits nothing is a bug, never a state to loop in."""
+    stats.record_round(drafts, accepted, committed)
+    if committed == 0:
+        raise NoProgressError("speculative decoding made no progress")
 
 
 class SequenceRounds:
@@ -81,16 +115,12 @@ class SequenceRounds:
             return FeedRequest(self.seq_id, list(state.tokens[:-1]), 0)
         if not self.prefilled:  # the prefill: the whole prompt, its last row picks the first token
             return FeedRequest(self.seq_id, list(state.tokens), 0)
-        options, generated = state.options, state.generated
-        width = min(self.num_drafts + 1, options.max_new_tokens - len(generated),
-                    state.max_context - len(state.tokens))
+        width = draft_width(state, self.num_drafts)
         self._drafts, self._probs = [], None
         if self.proposer is not None and width > 1:
-            proposal = self.proposer.propose(ProposerContext(
-                width=width, context_tokens=state.tokens, generated_tokens=generated,
-                generated_text=state.text, step=len(generated), options=options,
-                target_hidden=self._anchor.final, target_hidden_layers=self._anchor.layers, rng=self.rng,
-                shared_kv=shared_kv_slices(self.target.cache, self.seq_id, self.needs.shared_kv_layers)
+            proposal = self.proposer.propose(proposer_context(
+                width, state.tokens, state.prompt_len, state.options, self._anchor, self.rng, state.text,
+                shared_kv_slices(self.target.cache, self.seq_id, self.needs.shared_kv_layers)
                 if self.needs.shared_kv_layers else None))
             self._drafts = [int(t) for t in proposal.tokens[: width - 1]]
             self._probs = None if proposal.probs is None else proposal.probs[: len(self._drafts)]
@@ -106,15 +136,13 @@ class SequenceRounds:
         drafts, probs = (self._drafts, self._probs) if self.prefilled else ([], None)
         outcome = verify_on_target(self.target, self.seq_id, out, drafts, probs, state.tokens, state.options,
                                    self.rng, self.needs)
-        committed = self._commit(outcome)
+        committed = commit_outcome(state, outcome)
         self._anchor = outcome.anchor
         if not self.prefilled:  # the prefill's last row chose the first token
             self.prefilled = True
             self.prefill_seconds = time.perf_counter() - self._started
             return
-        self.stats.record_round(len(drafts), outcome.accepted, committed)
-        if committed == 0:
-            raise NoProgressError("speculative decoding made no progress")
+        record_round(self.stats, len(drafts), outcome.accepted, committed)
         if self.proposer is not None:
             self.proposer.accept(AcceptContext(outcome.accepted, outcome.tokens[:committed], list(state.tokens)))
         excess = outcome.accepted - committed  # accepted drafts in the KV that a stop left uncommitted
@@ -131,15 +159,6 @@ class SequenceRounds:
         self.resuming = self.prefilled and len(self.state.tokens) > 1
         if self.proposer is not None:
             self.proposer.rewind(list(self.state.tokens))
-
-    def _commit(self, outcome: "RoundOutcome") -> int:
-        """Commit the outcome's tokens in order until the sequence finishes; returns how many."""
-        committed = 0
-        for i, token in enumerate(outcome.tokens):
-            committed += 1
-            if self.state.commit(token, outcome.logprobs[i] if outcome.logprobs else None):
-                break
-        return committed
 
 
 @dataclass(frozen=True)

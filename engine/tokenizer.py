@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Sequence
 
 from tokenizers import Tokenizer
 
-from .errors import ModelLoadError
+from .errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -74,3 +75,19 @@ class StreamDecoder:
         full_text = self._tokenizer.decode(self._ids[self._prefix :])
         self._prefix = self._read = len(self._ids)
         return full_text[len(prefix_text) :]
+
+
+def encode_prompt(tokenizer: "TextTokenizer", prompt: str | Sequence[int], vocab_size: int,
+                  max_context: int) -> list[int]:
+    """Prompt text or ids -> ids, refused with a typed error when empty, out of the
+    model's vocabulary, or too long to leave room for one new token."""
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+    if not ids:
+        raise InvalidRequestError("prompt is empty: at least one token is needed")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
+    if len(ids) >= max_context:
+        raise PromptTooLongError(f"prompt has {len(ids)} tokens; the context limit is {max_context}, "
+                                 "which leaves no room for a new token")
+    return ids

@@ -416,3 +416,37 @@ def test_bad_constructor_args(kwargs, name):
 def test_empty_layers_rejected():
     with pytest.raises(ValueError, match="layers"):
         PagedKVCache([], num_blocks=1)
+
+
+def test_reserved_blocks_are_used_in_order_returned_on_rewind_and_never_shared():
+    cache = PagedKVCache([LayerGeometry(1, 2)], num_blocks=8, block_size=2)
+    cache.add_sequence("granted", reserved=[5, 2, 7])
+    assert cache.free_blocks == 5  # the grant left the pool at once
+    cache.add_sequence("other")
+    kv = lambda n: ([np.ones((1, 1, n, 2), np.float32)], [np.ones((1, 1, n, 2), np.float32)])
+    cache.append("granted", *kv(3))
+    assert cache.block_table("granted") == [5, 2]
+    cache.append("other", *kv(6))
+    assert not {5, 2, 7} & set(cache.block_table("other"))
+    cache.rewind("granted", 1)
+    assert cache.block_table("granted") == [5]
+    cache.append("granted", *kv(5))  # 6 tokens: exactly the grant, in the granted order
+    assert cache.block_table("granted") == [5, 2, 7]
+    with pytest.raises(KVCacheCapacityError, match="reserved"):
+        cache.blocks_needed("granted", 1)
+    with pytest.raises(KVCacheCapacityError, match="reserved"):
+        cache.append("granted", *kv(1))
+    assert cache.length("granted") == 6  # the failed append changed nothing
+    cache.free("granted")
+    cache.free("other")
+    assert cache.free_blocks == 8
+
+
+def test_a_reservation_of_blocks_in_use_is_refused():
+    cache = PagedKVCache([LayerGeometry(1, 2)], num_blocks=4, block_size=2)
+    cache.add_sequence("a")
+    cache.append("a", [np.ones((1, 1, 2, 2), np.float32)], [np.ones((1, 1, 2, 2), np.float32)])
+    used = cache.block_table("a")[0]
+    with pytest.raises(KVCacheCapacityError, match="not all free"):
+        cache.add_sequence("b", reserved=[used])
+    assert not cache.has_sequence("b") and cache.free_blocks == 3

@@ -1,0 +1,1 @@
+"""Running specserve on Ray clusters: manifests (YAML) and the local-head helper."""

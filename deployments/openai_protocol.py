@@ -1,0 +1,175 @@
+"""OpenAI-compatible request and response shapes (the subset specserve serves).
+
+Requests are strict: a field this server does not know is a 400 naming the field,
+rather than a silently ignored setting. Fields OpenAI defines but specserve does not
+implement are accepted only at their neutral value (``n=1``, ``echo=false``, penalties
+0, ...), so a client that sends defaults works and one that relies on them is told.
+Extensions (vLLM-style extra body fields): ``speculative_mode``,
+``num_speculative_tokens``, ``top_k``, ``repetition_penalty``, ``ignore_eos``,
+``return_token_ids`` (each choice, and each streamed chunk, carries ``token_ids``); every
+response carries the request's speculative statistics under ``speculative``.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engine.options import MAX_SPECULATIVE_TOKENS, GenerationOptions, SpeculativeMode
+from engine.sampling import TokenLogprob
+from engine.stats import SpeculativeStats
+
+
+class ApiError(Exception):
+    """An error the client should see, with its HTTP status and OpenAI error type."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: Literal[1] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    presence_penalty: Literal[0, 0.0] = 0.0
+    frequency_penalty: Literal[0, 0.0] = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # extensions
+    top_k: int = Field(0, ge=0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    ignore_eos: bool = False
+    speculative_mode: SpeculativeMode | None = None
+    num_speculative_tokens: int | None = Field(None, ge=1, le=MAX_SPECULATIVE_TOKENS)
+    return_token_ids: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value):
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop takes up to 4 non-empty strings")
+        return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, value):
+        if value:
+            raise ValueError("logit_bias is not supported by this server")
+        return value
+
+    def options(self, max_tokens: int, logprobs: bool, top_logprobs: int) -> GenerationOptions:
+        return GenerationOptions(max_new_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                                 top_k=self.top_k, repetition_penalty=self.repetition_penalty, seed=self.seed,
+                                 stop=tuple(self.stop or ()), ignore_eos=self.ignore_eos, logprobs=logprobs,
+                                 top_logprobs=top_logprobs, speculative_mode=self.speculative_mode,
+                                 num_speculative_tokens=self.num_speculative_tokens)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: Literal[False] = False
+    best_of: Literal[1] | None = None
+    suffix: None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value):
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+            if len(value) != 1:
+                raise ValueError("batched prompts are not supported: send one prompt per request")
+            value = value[0]
+        if isinstance(value, (str, list)) and len(value) == 0:
+            raise ValueError("prompt must not be empty")
+        return value
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]]
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, value):
+        if isinstance(value, list):
+            if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in value):
+                raise ValueError("only text content parts are supported")
+            value = "".join(part["text"] for part in value)
+        return value
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs: true")
+        return self
+
+
+# -- responses -----------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def speculative_body(stats: SpeculativeStats, num_speculative_tokens: int) -> dict:
+    return {"mode": stats.mode, "num_speculative_tokens": num_speculative_tokens,
+            "rounds": stats.verification_steps, "draft_tokens": stats.proposed_tokens,
+            "accepted_tokens": stats.accepted_tokens, "acceptance_rate": round(stats.acceptance_rate, 4),
+            "mean_accepted_length": round(stats.mean_accepted_length, 4),
+            "accepted_per_position": list(stats.accepted_per_position),
+            "draft_per_position": list(stats.proposed_per_position)}
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_logprobs(items: list[TokenLogprob], offset: int = 0) -> dict:
+    """The legacy completions format: parallel lists."""
+    offsets, position = [], offset
+    for item in items:
+        offsets.append(position)
+        position += len(item.token)
+    return {"tokens": [i.token for i in items], "token_logprobs": [i.logprob for i in items],
+            "top_logprobs": [{t.token: t.logprob for t in i.top} for i in items], "text_offset": offsets}
+
+
+def chat_logprobs(items: list[TokenLogprob]) -> dict:
+    def entry(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+    return {"content": [{**entry(i.token, i.logprob), "top_logprobs": [entry(t.token, t.logprob) for t in i.top]}
+                        for i in items]}

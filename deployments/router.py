@@ -1,0 +1,281 @@
+"""The router deployment: the OpenAI-compatible HTTP ingress and the round coordinator.
+
+It keeps each request's committed tokens and streaming state (``SequenceDriver``), runs
+the tick loop (``RoundCoordinator``) that batches every active request's round into one
+call per proposer replica and one per target replica, and streams tokens as they are
+committed. It holds ObjectRefs, never tensors. Prompt lookup runs here: it needs only
+the committed tokens the router already has, so a hop would cost more than the lookup.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from pathlib import Path
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from engine.block_ledger import AdmissionError
+from engine.chat import ChatTemplate
+from engine.coordinator import RequestFailedError, RoundCoordinator
+from engine.errors import InvalidRequestError
+from engine.manifest import BundleManifest
+from engine.options import GenerationOptions, SpeculativeConfig
+from engine.proposer_loading import head_config, head_needs
+from engine.proposers.base import Needs
+from engine.sequence import TokenEvent
+from engine.sequence_driver import DriverFactory, SequenceDriver
+from engine.tokenizer import TextTokenizer
+
+from .openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs,
+                              new_id, now, speculative_body, usage_body)
+from .settings import ServeSettings
+from .transport import ServeTransport
+
+log = logging.getLogger("specserve.router")
+app = FastAPI(title="specserve", description="Lossless speculative decoding behind an OpenAI-compatible API.")
+
+
+@app.exception_handler(ApiError)
+async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {}
+    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+    message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}"
+                        for e in exc.errors()[:5])
+    return JSONResponse(ApiError(400, message or "invalid request", param=param).body(), status_code=400)
+
+
+class Router:
+    def __init__(self, target: DeploymentHandle, proposers: dict[str, DeploymentHandle], settings: dict) -> None:
+        self.settings = ServeSettings.model_validate(settings)
+        bundle = Path(self.settings.model_dir)
+        self.manifest = BundleManifest.load(bundle)
+        target_dir = bundle / self.manifest.models["target"].directory
+        self.tokenizer = TextTokenizer(target_dir)
+        self.chat_template = ChatTemplate.from_model_dir(target_dir)
+        self.model_name = self.settings.served_model_name
+        self.target, self.proposers = target, proposers
+        self._kv = None
+        self._ready: asyncio.Task | None = None
+        self.factory: DriverFactory | None = None
+        self.coordinator: RoundCoordinator | None = None
+        self.max_context = self.max_tokens_cap = 0
+
+    # -- start-up ------------------------------------------------------------------------
+    async def _ensure_ready(self) -> None:
+        if self._ready is None or (self._ready.done() and self._ready.exception() is not None):
+            self._ready = asyncio.ensure_future(self._connect())
+        await asyncio.shield(self._ready)
+
+    async def _connect(self) -> None:
+        """Learn the target's limits and the KV manager once, and wire each head's needs."""
+        info = await self.target.describe.remote()
+        self._kv = info["kv_manager"]
+        final = self.manifest.models["target"].hidden_outputs.final
+        outputs = set(info["extra_outputs"])
+        needs: dict[str, Needs] = {}
+        for mode in self.proposers:
+            needs[mode] = Needs() if mode == "draft_model" else head_needs(
+                mode, head_config(Path(self.settings.model_dir), self.manifest, mode), final, outputs)
+        s = self.settings
+        speculative = SpeculativeConfig(default_mode=s.default_mode, num_speculative_tokens=s.num_speculative_tokens,
+                                        prompt_lookup_ngram=s.prompt_lookup_ngram)
+        self.factory = DriverFactory(self.tokenizer, info["eos_token_ids"], info["max_context"], info["vocab_size"],
+                                     speculative, needs)
+        if s.default_mode not in self.factory.modes:
+            raise RuntimeError(f"default_mode '{s.default_mode}' is not deployed (have {self.factory.modes})")
+        transport = ServeTransport(self.target, self.proposers, lambda: self._kv)
+        self.coordinator = RoundCoordinator(transport, lanes=s.lanes, max_batch=s.max_batch)
+        self.max_context = info["max_context"]
+        self.max_tokens_cap = min(s.max_tokens_cap or self.max_context, self.max_context)
+        log.info("router ready: modes %s, default %s, target providers %s", self.factory.modes, s.default_mode,
+                 info["providers"])
+
+    # -- HTTP ----------------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self) -> dict:
+        await self._ensure_ready()
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(self) -> dict:
+        await self._ensure_ready()
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "specserve", "max_model_len": self.max_context}]}
+
+    @app.get("/specserve/status")
+    async def status(self) -> dict:
+        """Operational view: KV blocks, active sequences, where coordinator time goes."""
+        await self._ensure_ready()
+        t = self.coordinator.timings
+        return {"kv": await self._kv.usage.remote(), "active_sequences": self.coordinator.active,
+                "modes": self.factory.modes, "default_mode": self.settings.default_mode,
+                "ticks": t.ticks, "sequence_rounds": t.rounds,
+                "mean_tick_ms": 1000 * t.tick_s / t.ticks if t.ticks else 0.0,
+                "mean_propose_ms": 1000 * t.propose_s / t.ticks if t.ticks else 0.0,
+                "mean_target_ms": 1000 * t.target_s / t.ticks if t.ticks else 0.0}
+
+    @app.post("/v1/completions")
+    async def completions(self, body: CompletionRequest):
+        await self._ensure_ready()
+        self._check_model(body.model)
+        max_tokens = self._max_tokens(body.max_tokens)
+        options = self._options(body, max_tokens, body.logprobs is not None, body.logprobs or 0)
+        return await self._serve(body, options, self._encode(body.prompt), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest):
+        await self._ensure_ready()
+        self._check_model(body.model)
+        prompt = self.chat_template.render([m.model_dump(exclude_none=True) for m in body.messages])
+        max_tokens = self._max_tokens(body.max_completion_tokens or body.max_tokens)
+        options = self._options(body, max_tokens, body.logprobs, body.top_logprobs or 0)
+        return await self._serve(body, options, self._encode(prompt), chat=True)
+
+    # -- internals -----------------------------------------------------------------------
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise ApiError(404, f"model '{model}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    def _max_tokens(self, requested: int | None) -> int:
+        cap = self.max_tokens_cap
+        if requested is None:
+            return cap  # as much as the context allows (the KV reservation is capped by it)
+        if requested > cap:
+            raise ApiError(400, f"max_tokens is {requested}; this server allows at most {cap}", param="max_tokens")
+        return requested
+
+    def _options(self, body, max_tokens: int, logprobs: bool, top: int) -> GenerationOptions:
+        try:
+            options = body.options(max_tokens, logprobs, top)
+            self.factory.resolve_mode(options)
+        except (ValueError, InvalidRequestError) as exc:
+            raise ApiError(400, str(exc), param="speculative_mode") from exc
+        return options
+
+    def _encode(self, prompt) -> list[int]:
+        try:
+            return self.factory.encode(prompt)
+        except InvalidRequestError as exc:
+            raise ApiError(400, str(exc), param="prompt", code="context_length_exceeded"
+                           if "context limit" in str(exc) else None) from exc
+
+    async def _serve(self, body, options: GenerationOptions, prompt_ids: list[int], chat: bool):
+        queue: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
+        seq_id = uuid.uuid4().hex
+        driver, kv_tokens = self.factory.create(seq_id, prompt_ids, options,
+                                                queue.put_nowait if body.stream else None)
+        try:
+            admitted = await self.coordinator.admit(driver, kv_tokens)  # 503 here, before any stream starts
+        except Exception as exc:  # noqa: BLE001
+            raise _as_api_error(exc) from exc
+        run = asyncio.ensure_future(self.coordinator.follow(admitted))
+        if not body.stream:
+            try:
+                await run
+            except asyncio.CancelledError:
+                run.cancel()  # the client went away: the coordinator frees the request's KV
+                raise
+            except Exception as exc:  # noqa: BLE001
+                raise _as_api_error(exc) from exc
+            return self._response(driver, chat, body.return_token_ids)
+        run.add_done_callback(lambda _: queue.put_nowait(None))
+        return StreamingResponse(self._stream(driver, run, queue, chat, body), media_type="text/event-stream")
+
+    def _response(self, driver: SequenceDriver, chat: bool, token_ids: bool) -> dict:
+        state = driver.state
+        usage = usage_body(state.prompt_len, len(state.generated))
+        spec = speculative_body(driver.stats, driver.num_drafts)
+        logprobs = state.logprobs if state.options.logprobs else None
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": state.text},
+                      "finish_reason": state.finish_reason,
+                      "logprobs": chat_logprobs(logprobs) if logprobs is not None else None}
+            if token_ids:
+                choice["token_ids"] = list(state.generated)
+            return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now(), "model": self.model_name,
+                    "choices": [choice], "usage": usage, "speculative": spec}
+        choice = {"index": 0, "text": state.text, "finish_reason": state.finish_reason,
+                  "logprobs": completion_logprobs(logprobs) if logprobs is not None else None}
+        if token_ids:
+            choice["token_ids"] = list(state.generated)
+        return {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": self.model_name,
+                "choices": [choice], "usage": usage, "speculative": spec}
+
+    async def _stream(self, driver: SequenceDriver, run: asyncio.Future, queue: asyncio.Queue, chat: bool,
+                      body) -> AsyncIterator[str]:
+        """SSE chunks as tokens commit; a client that disconnects cancels the request."""
+        request_id, created = new_id("chatcmpl" if chat else "cmpl"), now()
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choices: list, **extra) -> str:
+            return "data: " + json.dumps({"id": request_id, "object": kind, "created": created,
+                                          "model": self.model_name, "choices": choices, **extra}) + "\n\n"
+
+        try:
+            if chat:
+                yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])
+            offset = 0
+            while (event := await queue.get()) is not None:
+                logprobs = None
+                if event.logprob is not None:
+                    logprobs = chat_logprobs([event.logprob]) if chat else completion_logprobs([event.logprob], offset)
+                offset += len(event.text)
+                ids = {"token_ids": [event.token_id]} if body.return_token_ids else {}
+                if chat:
+                    delta = {"content": event.text} if event.text else {}
+                    yield chunk([{"index": 0, "delta": delta, "logprobs": logprobs,
+                                  "finish_reason": event.finish_reason, **ids}])
+                else:
+                    yield chunk([{"index": 0, "text": event.text, "logprobs": logprobs,
+                                  "finish_reason": event.finish_reason, **ids}])
+            if run.exception() is not None:
+                error = _as_api_error(run.exception())
+                yield "data: " + json.dumps(error.body()) + "\n\n"
+            else:
+                state = driver.state
+                include_usage = body.stream_options is not None and body.stream_options.include_usage
+                yield chunk([], usage=usage_body(state.prompt_len, len(state.generated)) if include_usage else None,
+                            speculative=speculative_body(driver.stats, driver.num_drafts))
+            yield "data: [DONE]\n\n"
+        finally:
+            if not run.done():
+                run.cancel()  # client disconnected mid-stream: retire the request, free its KV
+
+    # -- for tests and operators (deployment-handle calls) -----------------------------------
+    async def kv_usage(self) -> dict:
+        """The KV manager's view (releases trail a request's last token by one tick)."""
+        await self._ensure_ready()
+        return await self._kv.usage.remote()
+
+
+def _as_api_error(exc: BaseException) -> ApiError:
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, AdmissionError):
+        return ApiError(503, str(exc), type_="server_overloaded", code="kv_cache_full")
+    if isinstance(exc, InvalidRequestError):
+        return ApiError(400, str(exc))
+    if isinstance(exc, RequestFailedError):
+        return ApiError(500, str(exc), type_="server_error")
+    log.exception("request failed", exc_info=exc)
+    return ApiError(500, f"internal error: {type(exc).__name__}", type_="server_error")
+
+
+# The FastAPI routes above are methods of ``Router``; Serve's ingress wrapper binds them
+# to the replica's instance. It must run at import time in every process (the app is
+# module state), so it is applied here rather than in the builder.
+RouterIngress = serve.ingress(app)(Router)

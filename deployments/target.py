@@ -1,0 +1,110 @@
+"""The target-model deployment: owns the target's ONNX session and the physical KV
+pages of the sequences routed to it, and runs their prefills and batched verifies
+(``engine.target_worker``). Per sequence it returns O(k) data -- accepted count,
+tokens, logprobs -- and puts the hidden-state anchors (and shared-KV slices) of the
+whole call into the object store as one object, returning only its ObjectRef."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Hashable, Sequence
+
+import numpy as np
+import ray
+from ray import serve
+
+from engine.cached_decoder import CachedDecoder
+from engine.options import EngineConfig
+from engine.target_worker import PrefillItem, TargetResult, TargetWorker, VerifyItem
+
+log = logging.getLogger("specserve.target")
+KV_MANAGER = "kv_manager"
+
+
+def kv_manager_handle(attempts: int = 100):
+    """The deployment-scoped KV manager (it may still be starting, or restarting)."""
+    for attempt in range(attempts):
+        try:
+            return serve.get_deployment_actor(KV_MANAGER)
+        except ValueError:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.1)
+
+
+class TargetModel:
+    def __init__(self, target_dir: str, engine_config: dict) -> None:
+        self.config = EngineConfig.model_validate(engine_config)
+        self.decoder = CachedDecoder(Path(target_dir), self.config)
+        self.worker = TargetWorker(self.decoder)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self._lock = threading.Lock()  # one ONNX run and cache mutation at a time
+        self.kv = kv_manager_handle()
+        cache = self.decoder.cache
+        ray.get(self.kv.register_pool.remote(self.replica_id, cache.num_blocks, cache.block_size))
+
+    def __del__(self) -> None:
+        """A replica that shuts down (downscaling, redeploy) takes its pool out of the ledger."""
+        kv = getattr(self, "kv", None)
+        if kv is not None:
+            try:
+                kv.drop_pool.remote(self.replica_id)
+            except Exception:  # noqa: BLE001 - the manager may be gone already
+                pass
+
+    def describe(self) -> dict:
+        """What a router needs to know once: limits, EOS, outputs, and who allocates KV."""
+        decoder = self.decoder.decoder
+        return {"replica": self.replica_id, "eos_token_ids": list(self.decoder.eos_token_ids),
+                "max_context": self.decoder.max_context, "vocab_size": decoder.vocab_size,
+                "extra_outputs": sorted(decoder.io.extra_outputs), "kv_manager": self.kv,
+                "providers": list(decoder.session.get_providers())}
+
+    def step(self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem], releases: Sequence[Hashable],
+             replica_hint: str | None = None) -> tuple[str, list[TargetResult]]:
+        """One tick for the sequences on this replica; see ``TargetWorker.step``."""
+        verifies = _resolve_probs(list(verifies))
+        with self._lock:
+            results = self.worker.step(prefills, verifies, releases)
+        anchors = {r.seq_id: r.outcome.anchor for r in results
+                   if r.outcome is not None and _carries_data(r.outcome.anchor)}
+        ref = ray.put(anchors) if anchors else None
+        results = [r if r.outcome is None else dataclasses.replace(
+            r, outcome=dataclasses.replace(r.outcome, anchor=ref if r.seq_id in anchors else None)) for r in results]
+        updates = [(r.seq_id, r.kv_length, r.outcome.tokens) for r in results if r.outcome is not None]
+        if updates:
+            self.kv.record.remote(updates)  # fire and forget: off the round's critical path
+        return self.replica_id, results
+
+    def kv_usage(self) -> dict:
+        cache = self.decoder.cache
+        return {"replica": self.replica_id, "total_blocks": cache.num_blocks, "free_blocks": cache.free_blocks,
+                "sequences": len(self.worker.sequences)}
+
+    def check_health(self) -> None:
+        """Run the real ONNX session on one token, so a stalled or broken model fails
+        Serve's health check and the replica is replaced."""
+        decoder = self.decoder.decoder
+        one = np.zeros((1, 1), np.int64)
+        with self._lock:
+            out = decoder.forward(one, np.ones((1, 1), np.int64), one, decoder.empty_past())
+        if not np.isfinite(out.logits).all():
+            raise RuntimeError("target model produced non-finite logits on the health probe")
+
+
+def _carries_data(anchor) -> bool:
+    return anchor is not None and (anchor.final is not None or anchor.layers is not None
+                                   or anchor.shared_kv is not None)
+
+
+def _resolve_probs(verifies: list[VerifyItem]) -> list[VerifyItem]:
+    """Draft distributions come by reference from the proposer replica; fetch them here."""
+    refs = [v.probs for v in verifies if isinstance(v.probs, ray.ObjectRef)]
+    if not refs:
+        return verifies
+    values = dict(zip(refs, ray.get(refs)))
+    return [dataclasses.replace(v, probs=values[v.probs][v.seq_id]) if isinstance(v.probs, ray.ObjectRef) else v
+            for v in verifies]

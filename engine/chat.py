@@ -1,0 +1,51 @@
+"""Chat messages to a prompt string.
+
+A model directory whose ``tokenizer_config.json`` carries a ``chat_template`` (the
+Hugging Face convention) is rendered with it (Jinja2, imported only then). Otherwise
+the documented default applies -- each message as ``<role>: <content>`` on its own
+line, then ``assistant:`` for the model to continue. The default deliberately does not
+end in a newline: byte-level BPE merges a newline with the indentation that follows,
+so a prompt ending in a bare newline is off-distribution for the model.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+from .errors import InvalidRequestError, ModelLoadError
+
+DEFAULT_TEMPLATE_DESCRIPTION = "'<role>: <content>' per message, one per line, then 'assistant:'"
+
+
+class ChatTemplate:
+    def __init__(self, template: str | None = None, bos_token: str = "", eos_token: str = "") -> None:
+        self.source, self.bos_token, self.eos_token = template, bos_token, eos_token
+        self._compiled = None
+        if template is not None:
+            try:
+                import jinja2
+                import jinja2.sandbox
+            except ImportError as exc:  # pragma: no cover - jinja2 ships with the serve extra
+                raise ModelLoadError("this model's chat_template needs the 'jinja2' package") from exc
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            self._compiled = env.from_string(template)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> "ChatTemplate":
+        path = Path(model_dir) / "tokenizer_config.json"
+        config = json.loads(path.read_text()) if path.is_file() else {}
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: use the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        token = lambda v: v.get("content", "") if isinstance(v, dict) else (v or "")  # noqa: E731
+        return cls(template, token(config.get("bos_token")), token(config.get("eos_token")))
+
+    def render(self, messages: Sequence[dict]) -> str:
+        if not messages:
+            raise InvalidRequestError("messages must contain at least one message")
+        if self._compiled is not None:
+            return self._compiled.render(messages=list(messages), add_generation_prompt=True,
+                                         bos_token=self.bos_token, eos_token=self.eos_token)
+        lines = [f"{m['role']}: {m['content']}" for m in messages]
+        return "\n".join([*lines, "assistant:"])

@@ -1,0 +1,313 @@
+"""Batched propose -> verify rounds across workers, independent of how messages travel.
+
+The coordinator owns request lifecycles and the tick loop. Each tick advances every
+active sequence of a *lane* by one round with one proposer call per (mode, replica) and
+one target call per target replica -- never one call per request -- and commits what
+comes back through each request's ``SequenceDriver``. Several lanes run concurrently,
+so one lane's proposer work overlaps another lane's target pass (the one thing a
+disaggregated design can do that a single-process engine cannot).
+
+The ``Transport`` is the only thing that differs between deployments: the Ray Serve
+router moves items through deployment handles and the object store; tests move them
+through plain function calls. The algorithm is the same object either way.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Hashable, Protocol, Sequence
+
+from .block_ledger import Grant
+from .errors import EngineError
+from .proposer_worker import ProposeItem, ProposeResult
+from .sequence_driver import SequenceDriver
+from .target_worker import PrefillItem, TargetResult, VerifyItem
+
+log = logging.getLogger("specserve.coordinator")
+
+
+class TargetUnavailableError(EngineError):
+    """A target replica cannot be reached (it died or was replaced): its sequences' KV is
+    gone, but their committed tokens are not."""
+
+
+class RequestFailedError(EngineError):
+    """A request could not be completed; the message says why."""
+
+
+class Transport(Protocol):
+    async def admit(self, seq_id: Hashable, tokens: int, committed: Sequence[int],
+                    avoid: Sequence[str]) -> Grant: ...
+
+    async def release(self, seq_id: Hashable) -> None: ...
+
+    async def target_step(self, replica: str, prefills: list[PrefillItem], verifies: list[VerifyItem],
+                          releases: list[Hashable]) -> list[TargetResult]: ...
+
+    async def propose(self, mode: str, replica: str | None, items: list[ProposeItem],
+                      releases: list[Hashable]) -> tuple[str | None, list[ProposeResult]]: ...
+
+
+@dataclass(eq=False)
+class _Run:
+    driver: SequenceDriver
+    kv_tokens: int
+    done: asyncio.Future
+    grant: Grant | None = None
+    proposer_replica: str | None = None
+    cancelled: bool = False
+    readmitting: asyncio.Task | None = None
+
+
+@dataclass
+class _Lane:
+    runs: list[_Run] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    target_releases: dict[str, list[Hashable]] = field(default_factory=lambda: defaultdict(list))
+    proposer_releases: dict[tuple[str, str | None], list[Hashable]] = field(default_factory=lambda: defaultdict(list))
+    kv_releases: list[Hashable] = field(default_factory=list)
+    task: asyncio.Task | None = None
+    ticking: bool = False  # releases are in flight inside a tick
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.runs or self.ticking or self.kv_releases or any(self.target_releases.values())
+                    or any(self.proposer_releases.values()))
+
+
+@dataclass
+class TickTimings:
+    """Where a coordinator's time goes (seconds, summed over ticks)."""
+
+    ticks: int = 0
+    rounds: int = 0          # sequence-rounds advanced
+    propose_s: float = 0.0
+    target_s: float = 0.0
+    tick_s: float = 0.0
+
+
+class RoundCoordinator:
+    def __init__(self, transport: Transport, lanes: int = 2, max_batch: int = 32) -> None:
+        self.transport = transport
+        self._lanes = [_Lane() for _ in range(max(1, lanes))]
+        self.max_batch = max_batch  # sequences one lane advances per tick; the rest wait their turn (FIFO)
+        self.timings = TickTimings()
+
+    @property
+    def active(self) -> int:
+        return sum(len(lane.runs) for lane in self._lanes)
+
+    async def run(self, driver: SequenceDriver, kv_tokens: int) -> None:
+        """Admit the request and advance it until it finishes; raises on failure."""
+        await self.follow(await self.admit(driver, kv_tokens))
+
+    async def admit(self, driver: SequenceDriver, kv_tokens: int) -> "_Run":
+        """Reserve the request's KV (waiting for room) and put it in a lane. Raises the
+        admission error, so a server can answer 503 before it starts a stream."""
+        run = _Run(driver, kv_tokens, asyncio.get_running_loop().create_future())
+        try:
+            run.grant = await self.transport.admit(driver.seq_id, kv_tokens, [], [])
+        except asyncio.CancelledError:
+            asyncio.ensure_future(self.transport.release(driver.seq_id))  # an admit may land after we left
+            raise
+        lane = min(self._lanes, key=lambda la: len(la.runs))
+        lane.runs.append(run)
+        self._ensure_running(lane)
+        return run
+
+    async def follow(self, run: "_Run") -> None:
+        """Wait for an admitted request to finish. Cancelling the caller (a client
+        disconnect) retires the request at the next tick and frees its KV."""
+        try:
+            await asyncio.shield(run.done)
+        except asyncio.CancelledError:
+            run.cancelled = True
+            for lane in self._lanes:
+                lane.wake.set()
+            raise
+
+    async def drain(self, timeout_s: float = 30.0) -> None:
+        """Wait until every lane has sent its pending releases (tests, graceful shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while any(lane.has_work for lane in self._lanes) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+
+    def _ensure_running(self, lane: _Lane) -> None:
+        lane.wake.set()
+        if lane.task is None or lane.task.done():
+            lane.task = asyncio.ensure_future(self._lane_loop(lane))
+
+    async def _lane_loop(self, lane: _Lane) -> None:
+        while True:
+            if not lane.has_work:
+                lane.wake.clear()
+                await lane.wake.wait()
+                continue
+            lane.ticking = True
+            try:
+                await self._tick(lane)
+            except Exception as exc:  # noqa: BLE001 - never leave a request waiting forever
+                log.exception("coordinator tick failed; failing its requests")
+                for run in list(lane.runs):
+                    self._retire(lane, run, RequestFailedError(f"internal error: {exc}"))
+            finally:
+                lane.ticking = False
+            if lane.runs and all(r.grant is None for r in lane.runs) and not lane.kv_releases:
+                await asyncio.sleep(0.01)  # only re-admissions pending: do not spin
+
+    # -- one tick ------------------------------------------------------------------------
+    async def _tick(self, lane: _Lane) -> None:
+        started = time.perf_counter()
+        for run in list(lane.runs):
+            if run.cancelled or run.driver.finished:
+                self._retire(lane, run)
+        ready = [r for r in lane.runs if r.grant is not None][: self.max_batch]
+        decoding = [r for r in ready if r.driver.prefilled and not r.driver.resuming]
+        prefilling = [r for r in ready if not r.driver.prefilled or r.driver.resuming]
+
+        proposals = self._propose_calls(lane, decoding)
+        results = await asyncio.gather(*proposals.values(), return_exceptions=True)
+        for (mode, replica), outcome in zip(proposals, results):
+            self._take_proposals(lane, mode, replica, outcome)
+        propose_done = time.perf_counter()
+
+        target_calls = self._target_calls(lane, prefilling, decoding)
+        outcomes = await asyncio.gather(*(call for call, _ in target_calls.values()), return_exceptions=True)
+        for (replica, (_, runs)), outcome in zip(target_calls.items(), outcomes):
+            self._take_target_results(lane, replica, runs, outcome)
+        kv_releases, lane.kv_releases = lane.kv_releases, []
+        if kv_releases:
+            await asyncio.gather(*(self.transport.release(s) for s in kv_releases), return_exceptions=True)
+
+        for run in list(lane.runs):
+            if run.driver.finished:
+                self._retire(lane, run)
+        finished = time.perf_counter()
+        t = self.timings
+        t.ticks, t.rounds = t.ticks + 1, t.rounds + len(prefilling) + len(decoding)
+        t.propose_s += propose_done - started
+        t.target_s += finished - propose_done
+        t.tick_s += finished - started
+
+    def _propose_calls(self, lane: _Lane, decoding: list[_Run]) -> dict:
+        groups: dict[tuple[str, str | None], list[tuple[_Run, ProposeItem]]] = defaultdict(list)
+        for run in decoding:
+            driver = run.driver
+            if driver.local_proposer is not None:
+                driver.propose_locally()
+                continue
+            item = driver.propose_item()
+            if item is not None:
+                groups[(driver.mode, run.proposer_replica)].append((run, item))
+        keys = set(groups) | {k for k, v in lane.proposer_releases.items() if v}
+        calls = {}
+        for key in keys:
+            releases, lane.proposer_releases[key] = lane.proposer_releases.get(key, []), []
+            pairs = groups.get(key, [])
+            calls[key] = self._propose_group(key, pairs, releases)
+        return calls
+
+    async def _propose_group(self, key, pairs, releases):
+        mode, replica = key
+        served_by, results = await self.transport.propose(mode, replica, [item for _, item in pairs], releases)
+        return served_by, [(run, result) for (run, _), result in zip(pairs, results)]
+
+    def _take_proposals(self, lane: _Lane, mode: str, replica: str | None, outcome) -> None:
+        if isinstance(outcome, BaseException):
+            # A proposer replica failed: these rounds go without drafts (still exact).
+            log.warning("proposer %s (replica %s) failed: %s; continuing without drafts", mode, replica, outcome)
+            for run in lane.runs:
+                if run.driver.mode == mode and run.proposer_replica == replica:
+                    run.proposer_replica = None
+                    run.driver.take_proposal(ProposeResult(run.driver.seq_id, [], resync=True))
+            return
+        served_by, pairs = outcome
+        for run, result in pairs:
+            run.proposer_replica = served_by
+            if result.error:
+                log.warning("proposer %s failed for %s: %s", mode, result.seq_id, result.error)
+            run.driver.take_proposal(result)
+
+    def _target_calls(self, lane: _Lane, prefilling: list[_Run], decoding: list[_Run]) -> dict:
+        groups: dict[str, tuple[list, list, list[_Run]]] = {}
+        for run in prefilling:
+            prefills, _, runs = groups.setdefault(run.grant.replica, ([], [], []))
+            prefills.append(run.driver.prefill_item(run.grant.blocks))
+            runs.append(run)
+        for run in decoding:
+            _, verifies, runs = groups.setdefault(run.grant.replica, ([], [], []))
+            verifies.append(run.driver.verify_item())
+            runs.append(run)
+        for replica, releases in lane.target_releases.items():
+            if releases:
+                groups.setdefault(replica, ([], [], []))
+        calls = {}
+        for replica, (prefills, verifies, runs) in groups.items():
+            releases, lane.target_releases[replica] = lane.target_releases.get(replica, []), []
+            calls[replica] = (self._target_group(replica, prefills, verifies, releases), runs)
+        return calls
+
+    async def _target_group(self, replica, prefills, verifies, releases):
+        results = await self.transport.target_step(replica, prefills, verifies, releases)
+        return results, releases
+
+    def _take_target_results(self, lane: _Lane, replica: str, runs: list[_Run], outcome) -> None:
+        if isinstance(outcome, TargetUnavailableError):
+            log.warning("target replica %s is gone; re-prefilling its %d sequences elsewhere", replica, len(runs))
+            for run in runs:
+                self._lose_target(lane, run)
+            return
+        if isinstance(outcome, BaseException):
+            for run in runs:
+                self._retire(lane, run, RequestFailedError(f"target failed: {outcome}"))
+            return
+        results, releases = outcome
+        lane.kv_releases.extend(releases)  # the target freed their pages: now the ledger may reuse them
+        for run, result in zip(runs, results):
+            if result.unknown_sequence:
+                self._lose_target(lane, run)
+            elif result.error is not None:
+                self._retire(lane, run, RequestFailedError(result.error))
+            else:
+                try:
+                    run.driver.complete(result.outcome, result.outcome.anchor)
+                except Exception as exc:  # noqa: BLE001 - e.g. a streaming consumer that went away
+                    self._retire(lane, run, exc)
+
+    def _lose_target(self, lane: _Lane, run: _Run) -> None:
+        """Re-admit on another replica and re-prefill from the committed tokens."""
+        lost = run.grant.replica
+        run.grant = None
+        run.driver.lost_target()
+
+        async def readmit() -> None:
+            await self.transport.release(run.driver.seq_id)
+            try:
+                run.grant = await self.transport.admit(run.driver.seq_id, run.kv_tokens, run.driver.state.tokens,
+                                                       [lost])
+            except Exception as exc:  # noqa: BLE001
+                self._retire(lane, run, RequestFailedError(f"could not move the request to a live target: {exc}"))
+            lane.wake.set()
+
+        run.readmitting = asyncio.ensure_future(readmit())
+
+    # -- endings -------------------------------------------------------------------------
+    def _retire(self, lane: _Lane, run: _Run, error: BaseException | None = None) -> None:
+        if run in lane.runs:
+            lane.runs.remove(run)
+        seq_id = run.driver.seq_id
+        if run.grant is not None:
+            lane.target_releases[run.grant.replica].append(seq_id)  # then the ledger, once the pages are free
+            run.grant = None
+        elif run.readmitting is None:
+            lane.kv_releases.append(seq_id)
+        if run.driver.remote_proposer and run.proposer_replica is not None:
+            lane.proposer_releases[(run.driver.mode, run.proposer_replica)].append(seq_id)
+        if not run.done.done():
+            if error is not None:
+                run.done.set_exception(error)
+            else:
+                run.done.set_result(None)

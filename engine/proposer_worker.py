@@ -1,0 +1,117 @@
+"""A proposer's half of a round, for proposers that live in their own process.
+
+The router sends, per sequence and per round, only what changed: the tokens committed
+since its last call (O(k)), how many drafts the target accepted, and the target anchor
+(hidden states, shared-KV slices). The worker keeps a mirror of each sequence's committed
+tokens and one proposer instance per sequence -- the same ``Proposer`` classes the
+in-process engine uses -- so a draft model keeps its own KV between rounds.
+
+A worker that does not know a sequence (it was routed to a fresh replica, or this one
+restarted) answers ``resync``: that round goes without drafts, which is always correct,
+and the router sends the whole context next time.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Sequence
+
+import numpy as np
+
+from .errors import EngineError
+from .options import GenerationOptions
+from .proposers.base import AcceptContext, Proposer
+from .rounds import Anchor, proposer_context
+
+
+@dataclass(frozen=True)
+class ProposeItem:
+    seq_id: Hashable
+    width: int                  # drafts + 1 the round may commit
+    since: int                  # index in the committed tokens where ``new_tokens`` start
+    new_tokens: list[int]       # committed tokens the worker has not seen yet
+    prompt_len: int
+    options: GenerationOptions
+    accepted: int = -1          # drafts the target accepted last round (-1: no round yet)
+    anchor: Any = None          # an ``Anchor``, or an object-store reference the transport resolves
+
+
+@dataclass(frozen=True)
+class ProposeResult:
+    seq_id: Hashable
+    tokens: list[int]
+    probs: Any = None           # draft distribution [len(tokens), V], or a reference to it
+    resync: bool = False        # the worker lacks this sequence's tokens: send them all next time
+    error: str | None = None
+
+
+@dataclass
+class _Mirror:
+    proposer: Proposer
+    tokens: list[int]
+    rng: np.random.Generator
+    seen: float
+
+
+class ProposerWorker:
+    """Per-sequence proposers and token mirrors for one proposer kind."""
+
+    def __init__(self, factory: Callable[[], Proposer], idle_timeout_s: float = 600.0) -> None:
+        self.factory, self.idle_timeout_s = factory, idle_timeout_s
+        self._seqs: dict[Hashable, _Mirror] = {}
+
+    @property
+    def sequences(self) -> list[Hashable]:
+        return list(self._seqs)
+
+    def propose(self, items: Sequence[ProposeItem]) -> list[ProposeResult]:
+        """Draft for every item (anchors already resolved by the transport)."""
+        self._evict_idle()
+        return [self._propose(item) for item in items]
+
+    def release(self, seq_ids: Sequence[Hashable]) -> None:
+        for seq_id in seq_ids:
+            mirror = self._seqs.pop(seq_id, None)
+            if mirror is not None:
+                mirror.proposer.close()
+
+    def _propose(self, item: ProposeItem) -> ProposeResult:
+        try:
+            mirror = self._sync(item)
+            if mirror is None:
+                return ProposeResult(item.seq_id, [], resync=True)
+            proposal = mirror.proposer.propose(proposer_context(
+                item.width, mirror.tokens, item.prompt_len, item.options, item.anchor or Anchor(), mirror.rng))
+            drafts = [int(t) for t in proposal.tokens[: item.width - 1]]
+            probs = None if proposal.probs is None else proposal.probs[: len(drafts)]
+            return ProposeResult(item.seq_id, drafts, probs)
+        except Exception as exc:  # noqa: BLE001 - the round goes on without drafts for this sequence
+            self.release([item.seq_id])
+            message = str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
+            return ProposeResult(item.seq_id, [], resync=True, error=message)
+
+    def _sync(self, item: ProposeItem) -> _Mirror | None:
+        """Bring the mirror up to the router's committed tokens; None if it cannot be."""
+        mirror = self._seqs.get(item.seq_id)
+        if item.since == 0:  # the whole context: (re)start the mirror
+            if mirror is None:
+                seed = item.options.seed
+                mirror = _Mirror(self.factory(), [], np.random.default_rng(None if seed is None else [seed, 1]), 0.0)
+                self._seqs[item.seq_id] = mirror
+            else:
+                mirror.proposer.rewind(list(item.new_tokens))
+            mirror.tokens = list(item.new_tokens)
+        elif mirror is None or len(mirror.tokens) != item.since:
+            self.release([item.seq_id])
+            return None
+        else:
+            mirror.tokens.extend(item.new_tokens)
+            if item.accepted >= 0:
+                mirror.proposer.accept(AcceptContext(item.accepted, list(item.new_tokens), list(mirror.tokens)))
+        mirror.seen = time.monotonic()
+        return mirror
+
+    def _evict_idle(self) -> None:
+        """Forget sequences nobody has asked about for a long time (their router is gone)."""
+        cutoff = time.monotonic() - self.idle_timeout_s
+        self.release([s for s, m in self._seqs.items() if m.seen < cutoff])

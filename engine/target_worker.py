@@ -1,0 +1,153 @@
+"""The target's half of a round, for a target that lives in its own process.
+
+A router sends a batch of small items per tick -- prefills (prompt tokens) and verifies
+(just the drafts) -- and gets back one ``RoundOutcome`` per sequence: the accepted
+count, the committed tokens, their logprobs and the hidden-state anchor. Logits never
+leave this worker and the KV cache never moves: the worker keeps each sequence's
+committed tokens, options and sampling generator next to its KV pages, so a verify item
+is O(k). Verification itself is ``rounds.verify_on_target``, the same code the
+in-process engine runs.
+
+Physical KV blocks are granted by an outside allocator (the KV manager): a prefill
+carries the block ids reserved for the sequence and the cache uses exactly those.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Sequence
+
+import numpy as np
+
+from .cached_decoder import CachedDecoder, FeedRequest
+from .errors import EngineError
+from .options import GenerationOptions
+from .proposers.base import Needs
+from .proposers.shared_kv import shared_kv_slices
+from .rounds import Anchor, RoundOutcome, verify_on_target
+
+log = logging.getLogger("specserve.target")
+
+
+@dataclass(frozen=True)
+class PrefillItem:
+    """Start (or, with ``resume``, restore) a sequence on this target.
+
+    A resume re-feeds committed tokens after the sequence lost its KV (e.g. its target
+    replica died): it rebuilds KV and anchor and commits nothing new."""
+
+    seq_id: Hashable
+    tokens: list[int]            # prompt (or, when resuming, every committed token)
+    options: GenerationOptions
+    needs: Needs = field(default_factory=Needs)
+    reserved_blocks: list[int] | None = None
+    resume: bool = False
+
+
+@dataclass(frozen=True)
+class VerifyItem:
+    seq_id: Hashable
+    drafts: list[int]
+    probs: Any = None            # draft distribution [k, V] (or an object-store reference to it)
+
+
+@dataclass(frozen=True)
+class TargetResult:
+    seq_id: Hashable
+    outcome: RoundOutcome | None  # None on error
+    kv_length: int = 0            # tokens in the sequence's KV after the round
+    error: str | None = None
+    unknown_sequence: bool = False  # this target does not hold the sequence: re-prefill it
+
+
+@dataclass
+class _TargetSequence:
+    tokens: list[int]             # committed tokens; the last one is pending (not in the KV yet)
+    options: GenerationOptions
+    needs: Needs
+    rng: np.random.Generator
+
+
+class TargetWorker:
+    """Owns a target decoder's KV pages and the per-sequence state verification needs."""
+
+    def __init__(self, target: CachedDecoder) -> None:
+        self.target = target
+        self._seqs: dict[Hashable, _TargetSequence] = {}
+
+    @property
+    def sequences(self) -> list[Hashable]:
+        return list(self._seqs)
+
+    def step(self, prefills: Sequence[PrefillItem] = (), verifies: Sequence[VerifyItem] = (),
+             releases: Sequence[Hashable] = ()) -> list[TargetResult]:
+        """Free finished sequences, run each prefill alone, then every verify in one batched
+        pass. One bad sequence gets an error result; the others are unaffected."""
+        self.release(releases)
+        results = [self._prefill(item) for item in prefills]
+        return results + self._verify(list(verifies))
+
+    def release(self, seq_ids: Sequence[Hashable]) -> None:
+        for seq_id in seq_ids:
+            self._seqs.pop(seq_id, None)
+            if self.target.cache.has_sequence(seq_id):
+                self.target.cache.free(seq_id)
+
+    # -- prefill -------------------------------------------------------------------------
+    def _prefill(self, item: PrefillItem) -> TargetResult:
+        self.release([item.seq_id])  # a re-prefill replaces whatever was left of the sequence
+        cache = self.target.cache
+        try:
+            cache.add_sequence(item.seq_id, item.reserved_blocks)
+            feed = item.tokens[:-1] if item.resume else item.tokens
+            out = self.target.feed_batch([FeedRequest(item.seq_id, feed, 0)])[0]
+            seq = _TargetSequence(list(item.tokens), item.options, item.needs,
+                                  np.random.default_rng(item.options.seed))
+            if item.resume:
+                outcome = RoundOutcome(0, [], None, Anchor.from_output(out, -1, item.needs))
+            else:
+                outcome = verify_on_target(self.target, item.seq_id, out, [], None, seq.tokens, item.options,
+                                           seq.rng, item.needs)
+                seq.tokens.extend(outcome.tokens)
+            self._seqs[item.seq_id] = seq
+            return self._result(item.seq_id, seq, outcome)
+        except Exception as exc:  # noqa: BLE001 - reported to the one request that caused it
+            self.release([item.seq_id])
+            return TargetResult(item.seq_id, None, error=_describe(exc))
+
+    # -- verify --------------------------------------------------------------------------
+    def _verify(self, items: list[VerifyItem]) -> list[TargetResult]:
+        known = [i for i in items if i.seq_id in self._seqs]
+        results = {i.seq_id: TargetResult(i.seq_id, None, error="sequence is not on this target replica",
+                                          unknown_sequence=True) for i in items if i.seq_id not in self._seqs}
+        requests = [FeedRequest(i.seq_id, [self._seqs[i.seq_id].tokens[-1], *i.drafts],
+                                len(self._seqs[i.seq_id].tokens) - 1) for i in known]
+        try:
+            outputs = self.target.feed_batch(requests) if requests else []
+        except Exception:  # noqa: BLE001 - isolate the sequence that broke the batch
+            log.exception("batched verify of %d sequences failed; retrying one by one", len(requests))
+            outputs = None
+        for n, item in enumerate(known):
+            seq = self._seqs[item.seq_id]
+            try:
+                out = outputs[n] if outputs is not None else self.target.feed_batch([requests[n]])[0]
+                outcome = verify_on_target(self.target, item.seq_id, out, list(item.drafts), item.probs,
+                                           seq.tokens, seq.options, seq.rng, seq.needs)
+                seq.tokens.extend(outcome.tokens)
+                results[item.seq_id] = self._result(item.seq_id, seq, outcome)
+            except Exception as exc:  # noqa: BLE001
+                self.release([item.seq_id])
+                results[item.seq_id] = TargetResult(item.seq_id, None, error=_describe(exc))
+        return [results[i.seq_id] for i in items]
+
+    def _result(self, seq_id: Hashable, seq: _TargetSequence, outcome: RoundOutcome) -> TargetResult:
+        """Attach the shared-KV slices the sequence's proposer reads (after the rewind)."""
+        if seq.needs.shared_kv_layers:
+            slices = shared_kv_slices(self.target.cache, seq_id, seq.needs.shared_kv_layers)
+            outcome = dataclasses.replace(outcome, anchor=dataclasses.replace(outcome.anchor, shared_kv=slices))
+        return TargetResult(seq_id, outcome, kv_length=self.target.cache.length(seq_id))
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"

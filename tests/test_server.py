@@ -1,0 +1,193 @@
+"""The distributed server on a real local Ray Serve, through real HTTP and the official
+``openai`` client: greedy output per mode is token-identical to the in-process engine,
+streams and chat work, target data reaches proposers as ObjectRefs, and every KV
+block comes back -- also after a client disconnects mid-stream."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from engine import GenerationOptions
+
+MODES = ("none", "prompt_lookup", "draft_model", "mtp", "eagle3", "shared_kv")
+MAX_TOKENS = 24
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    """specserve on a fresh local Ray head (127.0.0.1), shut down after the module."""
+    import ray
+    from ray import serve
+
+    from cluster.local import serve_local, start_local_ray
+
+    port = _free_port()
+    start_local_ray()
+    try:
+        serve_local({"model_dir": "models", "device": "cpu", "default_mode": "eagle3"}, port=port)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _handle(name: str):
+    from ray import serve
+
+    return serve.get_deployment_handle(name, "specserve")
+
+
+def _kv_all_free(timeout_s: float = 30.0) -> dict:
+    """Poll until the KV manager reports every block free (releases trail the last token)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        usage = _handle("Router").kv_usage.remote().result()
+        if usage["free_blocks"] == usage["total_blocks"] or time.monotonic() > deadline:
+            return usage
+        time.sleep(0.1)
+
+
+def _complete(client, prompt: str, mode: str, max_tokens: int = MAX_TOKENS):
+    return client.completions.create(model="specserve", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                     extra_body={"speculative_mode": mode, "return_token_ids": True})
+
+
+def test_health_and_models(server, client):
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+    assert [m.id for m in client.models.list().data] == ["specserve"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_output_through_the_server_is_token_identical_to_the_engine(client, bundle_engine, heldout_prompts,
+                                                                            mode):
+    prompts = heldout_prompts[:10]
+    with ThreadPoolExecutor(len(prompts)) as pool:  # concurrent: the rounds are batched server-side
+        responses = list(pool.map(lambda p: _complete(client, p, mode), prompts))
+    for prompt, response in zip(prompts, responses):
+        expected = bundle_engine.generate(prompt, GenerationOptions(max_new_tokens=MAX_TOKENS, speculative_mode=mode))
+        choice = response.choices[0]
+        assert choice.model_extra["token_ids"] == expected.token_ids
+        assert choice.text == expected.text and choice.finish_reason == expected.finish_reason
+        assert response.usage.completion_tokens == len(expected.token_ids)
+        spec = response.model_extra["speculative"]
+        assert spec["mode"] == mode
+        if mode != "none":
+            assert spec["rounds"] < len(expected.token_ids) - 1 or spec["accepted_tokens"] == 0
+
+
+def test_chat_completion_and_its_stream_agree(client):
+    messages = [{"role": "user", "content": "Write a function that reverses a list."}]
+    full = client.chat.completions.create(model="specserve", messages=messages, max_tokens=20, temperature=0)
+    stream = client.chat.completions.create(model="specserve", messages=messages, max_tokens=20, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert full.choices[0].message.role == "assistant"
+    assert text == full.choices[0].message.content and text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens == 20
+
+
+def test_completion_logprobs_match_the_engine(client, bundle_engine, heldout_prompts):
+    response = client.completions.create(model="specserve", prompt=heldout_prompts[3], max_tokens=6, temperature=0,
+                                         logprobs=2)
+    expected = bundle_engine.generate(heldout_prompts[3], GenerationOptions(max_new_tokens=6, logprobs=True,
+                                                                            top_logprobs=2, speculative_mode="eagle3"))
+    got = response.choices[0].logprobs
+    assert got.tokens == [lp.token for lp in expected.logprobs]
+    assert got.token_logprobs == pytest.approx([lp.logprob for lp in expected.logprobs], abs=1e-4)
+    assert all(len(top) == 2 for top in got.top_logprobs)
+
+
+def test_sixteen_concurrent_streams_with_mixed_modes_all_complete_correctly(client, bundle_engine, heldout_prompts):
+    jobs = [(heldout_prompts[i % len(heldout_prompts)], MODES[i % len(MODES)]) for i in range(16)]
+
+    def stream(job):
+        prompt, mode = job
+        chunks = client.completions.create(model="specserve", prompt=prompt, max_tokens=32, temperature=0,
+                                           stream=True, extra_body={"speculative_mode": mode,
+                                                                    "return_token_ids": True})
+        ids, text = [], ""
+        for chunk in chunks:
+            if chunk.choices:
+                ids += chunk.choices[0].model_extra.get("token_ids", [])
+                text += chunk.choices[0].text
+        return ids, text
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(stream, jobs))
+    for (prompt, mode), (ids, text) in zip(jobs, results):
+        expected = bundle_engine.generate(prompt, GenerationOptions(max_new_tokens=32, speculative_mode=mode))
+        assert ids == expected.token_ids, mode
+        assert text == expected.text
+    usage = _kv_all_free()
+    assert usage["free_blocks"] == usage["total_blocks"] and usage["sequences"] == 0
+
+
+def test_hidden_states_and_shared_kv_slices_reach_proposers_as_object_refs(client, heldout_prompts):
+    for mode in ("mtp", "eagle3", "shared_kv"):
+        _complete(client, heldout_prompts[5], mode, max_tokens=12)
+    for name in ("MtpProposer", "Eagle3Proposer", "SharedKvProposer"):
+        stats = _handle(name).transport_stats.remote().result()
+        assert stats["anchor_refs"] > 0 and stats.get("anchor_values", 0) == 0, stats
+    assert _handle("SharedKvProposer").transport_stats.remote().result()["shared_kv_slices"] > 0
+
+
+def test_a_client_that_disconnects_mid_stream_gets_its_kv_blocks_freed(server, heldout_prompts):
+    body = {"model": "specserve", "prompt": heldout_prompts[6], "max_tokens": 400, "temperature": 0,
+            "stream": True, "ignore_eos": True, "speculative_mode": "draft_model"}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        seen = [line for _, line in zip(range(6), lines) if line.startswith("data:")]
+        assert seen and json.loads(seen[0][5:])["choices"]
+        usage = _handle("Router").kv_usage.remote().result()
+        assert usage["sequences"] == 1 and usage["free_blocks"] < usage["total_blocks"]
+    usage = _kv_all_free()  # closed mid-stream: the request is retired and its reservation freed
+    assert usage["free_blocks"] == usage["total_blocks"] and usage["sequences"] == 0
+    assert _handle("TargetModel").kv_usage.remote().result()["sequences"] == 0
+    assert _handle("DraftModelProposer").transport_stats.remote().result()["sequences"] == 0
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": "nope", "prompt": "x"}, 404, "model"),
+    ({"model": "specserve", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "specserve", "prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
+    ({"model": "specserve", "prompt": "x", "speculative_mode": "medusa"}, 400, "speculative_mode"),
+    ({"model": "specserve", "prompt": "x", "num_speculative_tokens": 99}, 400, "num_speculative_tokens"),
+    ({"model": "specserve", "prompt": "x " * 600}, 400, "prompt"),
+    ({"model": "specserve", "prompt": ""}, 400, "prompt"),
+    ({"model": "specserve", "prompt": "x", "n": 2}, 400, "n"),
+    ({"model": "specserve", "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"model": "specserve", "prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+])
+def test_bad_requests_get_openai_style_errors(server, body, status, param):
+    response = httpx.post(f"{server}/v1/completions", json=body, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["param"] == param
+
+
+def test_malformed_json_and_empty_chat_are_400(server):
+    response = httpx.post(f"{server}/v1/completions", content=b"{not json", timeout=30,
+                          headers={"Content-Type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["message"]
+    response = httpx.post(f"{server}/v1/chat/completions", json={"model": "specserve", "messages": []}, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
