@@ -228,20 +228,33 @@ class Router:
             if chat:
                 yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}])
-            offset = 0
-            while (event := await queue.get()) is not None:
-                logprobs = None
-                if event.logprob is not None:
-                    logprobs = chat_logprobs([event.logprob]) if chat else completion_logprobs([event.logprob], offset)
-                offset += len(event.text)
-                ids = {"token_ids": [event.token_id]} if body.return_token_ids else {}
-                if chat:
-                    delta = {"content": event.text} if event.text else {}
-                    yield chunk([{"index": 0, "delta": delta, "logprobs": logprobs,
-                                  "finish_reason": event.finish_reason, **ids}])
-                else:
-                    yield chunk([{"index": 0, "text": event.text, "logprobs": logprobs,
-                                  "finish_reason": event.finish_reason, **ids}])
+            offset, finished = 0, False
+            while not finished:
+                # A round commits several tokens at once: send them as one write, so a
+                # round costs one message to the HTTP proxy, not one per token.
+                events = [await queue.get()]
+                while not queue.empty():
+                    events.append(queue.get_nowait())
+                if events[-1] is None:
+                    finished = True
+                    events.pop()
+                parts = []
+                for event in events:
+                    logprobs = None
+                    if event.logprob is not None:
+                        logprobs = (chat_logprobs([event.logprob]) if chat
+                                    else completion_logprobs([event.logprob], offset))
+                    offset += len(event.text)
+                    ids = {"token_ids": [event.token_id]} if body.return_token_ids else {}
+                    if chat:
+                        delta = {"content": event.text} if event.text else {}
+                        parts.append(chunk([{"index": 0, "delta": delta, "logprobs": logprobs,
+                                             "finish_reason": event.finish_reason, **ids}]))
+                    else:
+                        parts.append(chunk([{"index": 0, "text": event.text, "logprobs": logprobs,
+                                             "finish_reason": event.finish_reason, **ids}]))
+                if parts:
+                    yield "".join(parts)
             if run.exception() is not None:
                 error = _as_api_error(run.exception())
                 yield "data: " + json.dumps(error.body()) + "\n\n"

@@ -25,6 +25,7 @@ class ServeSettings(BaseModel):
     kv_block_size: int = Field(16, ge=1)
     intra_op_threads: int | None = Field(None, ge=1, description="target onnxruntime threads; None = its default")
     proposer_threads: int = Field(1, ge=1)
+    thread_spinning: bool = Field(False, description="onnxruntime spin-waiting; off, since replicas share cores")
     lanes: int = Field(2, ge=1, le=8, description="independent tick loops; >1 overlaps proposing and verifying")
     max_batch: int = Field(32, ge=1, description="sequences one lane advances per tick")
     max_tokens_cap: int | None = Field(None, ge=1, description="largest max_tokens accepted; None = the context")
@@ -39,5 +40,6 @@ class ServeSettings(BaseModel):
 
     def engine_config(self) -> dict:
         return EngineConfig(device=self.device, intra_op_threads=self.intra_op_threads,
-                            proposer_threads=self.proposer_threads, kv_block_size=self.kv_block_size,
+                            proposer_threads=self.proposer_threads, thread_spinning=self.thread_spinning,
+                            kv_block_size=self.kv_block_size,
                             kv_num_blocks=self.kv_num_blocks).model_dump(mode="json")

@@ -22,6 +22,7 @@ from engine.target_worker import PrefillItem, TargetResult, TargetWorker, Verify
 
 log = logging.getLogger("specserve.target")
 KV_MANAGER = "kv_manager"
+REPORT_INTERVAL_S = 0.05
 
 
 def kv_manager_handle(attempts: int = 100):
@@ -42,6 +43,9 @@ class TargetModel:
         self.worker = TargetWorker(self.decoder)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._lock = threading.Lock()  # one ONNX run and cache mutation at a time
+        self.steps, self.step_s, self.compute_s = 0, 0.0, 0.0  # where a replica's time goes
+        self._pending_reports: list = []
+        self._last_report = 0.0
         self.kv = kv_manager_handle()
         cache = self.decoder.cache
         ray.get(self.kv.register_pool.remote(self.replica_id, cache.num_blocks, cache.block_size))
@@ -66,23 +70,36 @@ class TargetModel:
     def step(self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem], releases: Sequence[Hashable],
              replica_hint: str | None = None) -> tuple[str, list[TargetResult]]:
         """One tick for the sequences on this replica; see ``TargetWorker.step``."""
+        started = time.perf_counter()
         verifies = _resolve_probs(list(verifies))
         with self._lock:
+            locked = time.perf_counter()
             results = self.worker.step(prefills, verifies, releases)
+            self.compute_s += time.perf_counter() - locked
         anchors = {r.seq_id: r.outcome.anchor for r in results
                    if r.outcome is not None and _carries_data(r.outcome.anchor)}
         ref = ray.put(anchors) if anchors else None
         results = [r if r.outcome is None else dataclasses.replace(
             r, outcome=dataclasses.replace(r.outcome, anchor=ref if r.seq_id in anchors else None)) for r in results]
-        updates = [(r.seq_id, r.kv_length, r.outcome.tokens) for r in results if r.outcome is not None]
-        if updates:
-            self.kv.record.remote(updates)  # fire and forget: off the round's critical path
+        self._report([(r.seq_id, r.kv_length, r.outcome.tokens) for r in results if r.outcome is not None])
+        self.steps += 1
+        self.step_s += time.perf_counter() - started
         return self.replica_id, results
+
+    def _report(self, updates: list) -> None:
+        """Tell the KV manager what was committed, batched over ticks and sent without
+        waiting: it is the ledger of record, never a step on a round's critical path."""
+        self._pending_reports.extend(updates)
+        now = time.monotonic()
+        if self._pending_reports and now - self._last_report >= REPORT_INTERVAL_S:
+            self.kv.record.remote(self._pending_reports)
+            self._pending_reports, self._last_report = [], now
 
     def kv_usage(self) -> dict:
         cache = self.decoder.cache
         return {"replica": self.replica_id, "total_blocks": cache.num_blocks, "free_blocks": cache.free_blocks,
-                "sequences": len(self.worker.sequences)}
+                "sequences": len(self.worker.sequences), "steps": self.steps, "step_s": self.step_s,
+                "compute_s": self.compute_s}
 
     def check_health(self) -> None:
         """Run the real ONNX session on one token, so a stalled or broken model fails

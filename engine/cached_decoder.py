@@ -36,7 +36,8 @@ class CachedDecoder:
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
-        self.decoder = OnnxDecoder(model_dir, self.config.device, self.config.intra_op_threads)
+        self.decoder = OnnxDecoder(model_dir, self.config.device, self.config.intra_op_threads,
+                                   thread_spinning=self.config.thread_spinning)
         self.tokenizer = TextTokenizer(model_dir)
         vocab = self.decoder.vocab_size
         if self.tokenizer.vocab_size > vocab:

@@ -49,7 +49,7 @@ class LinearLmHead:
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         # einsum, not matmul: a BLAS call wakes OpenBLAS's thread pool, whose spinning
         # threads then fight onnxruntime's for the cores (measured 4x slower rounds).
-        return np.einsum("h,hv->v", hidden, self.weight_t)
+        return np.einsum("...h,hv->...v", hidden, self.weight_t)  # [H] -> [V], or [B, H] -> [B, V]
 
 
 @dataclass

@@ -86,7 +86,7 @@ class OnnxDecoder:
     """One ONNX decoder session plus everything needed to feed it correctly."""
 
     def __init__(self, model_dir: str | Path, device: Device = "auto", intra_op_threads: int | None = None,
-                 onnx_file: str | None = None) -> None:
+                 onnx_file: str | None = None, thread_spinning: bool = True) -> None:
         self.model_dir = Path(model_dir)
         if not self.model_dir.is_dir():
             raise ModelLoadError(f"model directory not found: {self.model_dir}")
@@ -98,7 +98,7 @@ class OnnxDecoder:
         if not self.onnx_path.is_file():
             raise ModelLoadError(f"ONNX file missing: {self.onnx_path}")
         try:
-            self.session = create_session(str(self.onnx_path), device, session_options(intra_op_threads))
+            self.session = create_session(str(self.onnx_path), device, session_options(intra_op_threads, spinning=thread_spinning))
         except ort.capi.onnxruntime_pybind11_state.Fail as exc:  # e.g. external weights file missing
             raise ModelLoadError(f"onnxruntime cannot load {self.onnx_path}: {exc}") from exc
         self.io = self._discover(templates)

@@ -73,6 +73,9 @@ class EngineConfig(BaseModel):
 
     device: Device = "auto"
     intra_op_threads: int | None = Field(None, ge=1, description="target's onnxruntime intra-op threads; None = its default")
+    thread_spinning: bool = Field(True, description=(
+        "let the target's onnxruntime threads spin-wait between runs: fastest when the engine owns the cores, "
+        "harmful when other processes (Ray workers) need them in between"))
     proposer_threads: int = Field(1, ge=1, description=(
         "intra-op threads of draft/head sessions: 1 runs them on the calling thread, so they never fight "
         "the target's thread pool for cores (a round alternates between the two)"))

@@ -20,7 +20,7 @@ import numpy as np
 
 from .errors import EngineError
 from .options import GenerationOptions
-from .proposers.base import AcceptContext, Proposer
+from .proposers.base import AcceptContext, Proposal, Proposer, ProposerContext
 from .rounds import Anchor, proposer_context
 
 
@@ -31,7 +31,7 @@ class ProposeItem:
     since: int                  # index in the committed tokens where ``new_tokens`` start
     new_tokens: list[int]       # committed tokens the worker has not seen yet
     prompt_len: int
-    options: GenerationOptions
+    options: GenerationOptions | None  # sent with the whole context only (since == 0)
     accepted: int = -1          # drafts the target accepted last round (-1: no round yet)
     anchor: Any = None          # an ``Anchor``, or an object-store reference the transport resolves
 
@@ -49,6 +49,7 @@ class ProposeResult:
 class _Mirror:
     proposer: Proposer
     tokens: list[int]
+    options: GenerationOptions
     rng: np.random.Generator
     seen: float
 
@@ -65,9 +66,39 @@ class ProposerWorker:
         return list(self._seqs)
 
     def propose(self, items: Sequence[ProposeItem]) -> list[ProposeResult]:
-        """Draft for every item (anchors already resolved by the transport)."""
+        """Draft for every item (anchors already resolved by the transport). Proposers
+        that restart every pass draft for all their sequences in one batched run per
+        step; a failure there is retried one sequence at a time, so it stays isolated."""
         self._evict_idle()
-        return [self._propose(item) for item in items]
+        results: dict[Hashable, ProposeResult] = {}
+        batch: list[tuple[ProposeItem, ProposerContext, _Mirror]] = []
+        for item in items:
+            try:
+                mirror = self._sync(item)
+                if mirror is None:
+                    results[item.seq_id] = ProposeResult(item.seq_id, [], resync=True)
+                    continue
+                context = proposer_context(item.width, mirror.tokens, item.prompt_len, mirror.options,
+                                           item.anchor or Anchor(), mirror.rng)
+                if getattr(mirror.proposer, "batchable", False):
+                    batch.append((item, context, mirror))
+                else:
+                    results[item.seq_id] = _result(item, mirror.proposer.propose(context))
+            except Exception as exc:  # noqa: BLE001 - this round goes on without drafts for it
+                results[item.seq_id] = self._failed(item, exc)
+        if len(batch) > 1:
+            try:
+                proposals = batch[0][2].proposer.propose_batch([context for _, context, _ in batch])
+                results.update((item.seq_id, _result(item, p)) for (item, _, _), p in zip(batch, proposals))
+                batch = []
+            except Exception:  # noqa: BLE001 - find the sequence that broke the batch
+                pass
+        for item, context, mirror in batch:
+            try:
+                results[item.seq_id] = _result(item, mirror.proposer.propose(context))
+            except Exception as exc:  # noqa: BLE001
+                results[item.seq_id] = self._failed(item, exc)
+        return [results[item.seq_id] for item in items]
 
     def release(self, seq_ids: Sequence[Hashable]) -> None:
         for seq_id in seq_ids:
@@ -75,32 +106,25 @@ class ProposerWorker:
             if mirror is not None:
                 mirror.proposer.close()
 
-    def _propose(self, item: ProposeItem) -> ProposeResult:
-        try:
-            mirror = self._sync(item)
-            if mirror is None:
-                return ProposeResult(item.seq_id, [], resync=True)
-            proposal = mirror.proposer.propose(proposer_context(
-                item.width, mirror.tokens, item.prompt_len, item.options, item.anchor or Anchor(), mirror.rng))
-            drafts = [int(t) for t in proposal.tokens[: item.width - 1]]
-            probs = None if proposal.probs is None else proposal.probs[: len(drafts)]
-            return ProposeResult(item.seq_id, drafts, probs)
-        except Exception as exc:  # noqa: BLE001 - the round goes on without drafts for this sequence
-            self.release([item.seq_id])
-            message = str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
-            return ProposeResult(item.seq_id, [], resync=True, error=message)
+    def _failed(self, item: ProposeItem, exc: Exception) -> ProposeResult:
+        self.release([item.seq_id])
+        message = str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
+        return ProposeResult(item.seq_id, [], resync=True, error=message)
 
     def _sync(self, item: ProposeItem) -> _Mirror | None:
         """Bring the mirror up to the router's committed tokens; None if it cannot be."""
         mirror = self._seqs.get(item.seq_id)
         if item.since == 0:  # the whole context: (re)start the mirror
+            if item.options is None:
+                raise ValueError("a proposer item with the whole context must carry the request's options")
             if mirror is None:
                 seed = item.options.seed
-                mirror = _Mirror(self.factory(), [], np.random.default_rng(None if seed is None else [seed, 1]), 0.0)
+                mirror = _Mirror(self.factory(), [], item.options,
+                                 np.random.default_rng(None if seed is None else [seed, 1]), 0.0)
                 self._seqs[item.seq_id] = mirror
             else:
                 mirror.proposer.rewind(list(item.new_tokens))
-            mirror.tokens = list(item.new_tokens)
+            mirror.tokens, mirror.options = list(item.new_tokens), item.options
         elif mirror is None or len(mirror.tokens) != item.since:
             self.release([item.seq_id])
             return None
@@ -115,3 +139,9 @@ class ProposerWorker:
         """Forget sequences nobody has asked about for a long time (their router is gone)."""
         cutoff = time.monotonic() - self.idle_timeout_s
         self.release([s for s, m in self._seqs.items() if m.seen < cutoff])
+
+
+def _result(item: ProposeItem, proposal: Proposal) -> ProposeResult:
+    drafts = [int(t) for t in proposal.tokens[: item.width - 1]]
+    probs = None if proposal.probs is None else proposal.probs[: len(drafts)]
+    return ProposeResult(item.seq_id, drafts, probs)

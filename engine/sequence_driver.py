@@ -63,8 +63,8 @@ class SequenceDriver:
         tokens = self.state.tokens
         since = self._proposer_has
         self._proposer_has = len(tokens)
-        return ProposeItem(self.seq_id, width, since, tokens[since:], self.state.prompt_len, self.state.options,
-                           self._last_accepted if since else -1, self.anchor)
+        return ProposeItem(self.seq_id, width, since, tokens[since:], self.state.prompt_len,
+                           None if since else self.state.options, self._last_accepted if since else -1, self.anchor)
 
     def propose_locally(self) -> None:
         """Draft with the in-coordinator (model-free) proposer, if this request has one."""

@@ -1,15 +1,9 @@
 #!/usr/bin/env bash
-# Install specserve and generate text with the bundled models, in-process (EAGLE-3 speculation).
-# Usage: bash scripts/quickstart.sh ["prompt"] [extra 'python -m engine generate' flags]
+# Install specserve and start the full distributed server on the bundled models:
+# a local Ray head on 127.0.0.1, the target, the proposer heads, the KV manager and the
+# OpenAI-compatible router. Prints the API URL, the Ray dashboard URL and a curl to try.
+# Ctrl-C stops it. Usage: bash scripts/quickstart.sh [--port 8000] [--default-mode eagle3] ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-PROMPT=${1:-'import os
-import sys
-
-
-def main(argv):'}
-shift || true
-# EAGLE-3 speculation by default: the text is exactly the target's own greedy output.
-exec .venv/bin/python -m engine generate --model models/target --prompt "$PROMPT" --max-new-tokens 96 \
-    --speculative eagle3 "$@"
+exec .venv/bin/python -m cluster.local "$@"

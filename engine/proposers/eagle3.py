@@ -27,30 +27,44 @@ class Eagle3Proposer:
     def to_target_id(self, draft_id: int) -> int:
         return draft_id if self.head.d2t is None else int(draft_id + self.head.d2t[draft_id])
 
+    batchable = True  # a fresh state every pass: any group of sequences can share one run per step
+
     def propose(self, context: ProposerContext) -> Proposal:
-        layers = context.target_hidden_layers
+        return self.propose_batch([context])[0]
+
+    def propose_batch(self, contexts: Sequence[ProposerContext]) -> list[Proposal]:
+        """Draft for several sequences at once: one head run per draft step for all of
+        them (each row keeps its own position; the head's own KV has the same length in
+        every row, since it restarts every pass)."""
         size = self.head.hidden_size
-        if layers is None or len(layers) != 3 or any(np.asarray(x).size != size for x in layers):
-            raise InvalidRequestError(f"EAGLE-3 requires exactly three target hidden states of width {size}")
-        fused = np.concatenate([np.asarray(x, np.float32).ravel() for x in layers]).reshape(1, 1, 3 * size)
-        recycled = np.asarray(context.target_hidden if context.target_hidden is not None else layers[2],
-                              np.float32).reshape(1, 1, -1)
-        if recycled.shape[-1] != size:
-            raise InvalidRequestError(f"EAGLE-3 recycled target hidden length {recycled.shape[-1]} != hidden {size}")
-        self.reset()
-        kv_len = len(context.context_tokens) - 1  # the pending token is not in the target KV yet
-        previous, tokens = context.guaranteed_token, []
-        for step in range(context.max_drafts):
-            past_len = self._past_key.shape[2]
-            logits, recycled, self._past_key, self._past_value = self.head.session.run(
+        fused, recycled = [], []
+        for context in contexts:
+            layers = context.target_hidden_layers
+            if layers is None or len(layers) != 3 or any(np.asarray(x).size != size for x in layers):
+                raise InvalidRequestError(f"EAGLE-3 requires exactly three target hidden states of width {size}")
+            fused.append(np.concatenate([np.asarray(x, np.float32).ravel() for x in layers]))
+            own = np.asarray(context.target_hidden if context.target_hidden is not None else layers[2], np.float32)
+            if own.size != size:
+                raise InvalidRequestError(f"EAGLE-3 recycled target hidden length {own.size} != hidden {size}")
+            recycled.append(own.ravel())
+        batch, steps = len(contexts), max(c.max_drafts for c in contexts)
+        fused_in = np.stack(fused).reshape(batch, 1, 3 * size)
+        recycled_in = np.stack(recycled).reshape(batch, 1, size)
+        kv_len = np.array([[len(c.context_tokens) - 1] for c in contexts], np.int64)  # pending not in the KV yet
+        past_key = past_value = np.repeat(self._empty, batch, axis=0)
+        previous = [c.guaranteed_token for c in contexts]
+        drafted: list[list[int]] = [[] for _ in contexts]
+        for step in range(steps):
+            logits, recycled_in, past_key, past_value = self.head.session.run(
                 ["draft_logits", "next_hidden", "present.0.key", "present.0.value"],
-                {"inputs_embeds": self.head.embedder.embed([previous]).reshape(1, 1, -1), "fused_hidden": fused,
-                 "recycled_hidden": recycled, "attention_mask": np.ones((1, past_len + 1), np.int64),
-                 "position_ids": np.array([[kv_len + step]], np.int64),
-                 "past_key_values.0.key": self._past_key, "past_key_values.0.value": self._past_value})
-            previous = self.to_target_id(int(np.argmax(logits[0, -1])))
-            tokens.append(previous)
-        return Proposal(tokens)
+                {"inputs_embeds": self.head.embedder.embed(previous).reshape(batch, 1, -1), "fused_hidden": fused_in,
+                 "recycled_hidden": recycled_in, "attention_mask": np.ones((batch, step + 1), np.int64),
+                 "position_ids": kv_len + step, "past_key_values.0.key": past_key,
+                 "past_key_values.0.value": past_value})
+            previous = [self.to_target_id(int(t)) for t in np.argmax(logits[:, -1], axis=-1)]
+            for row, token in zip(drafted, previous):
+                row.append(token)
+        return [Proposal(row[: c.max_drafts]) for row, c in zip(drafted, contexts)]
 
     def accept(self, context: AcceptContext) -> None:
         # Every pass gets a fresh target low/mid/high anchor; draft-only KV from the

@@ -35,29 +35,51 @@ class MtpProposer:
     def past_len(self) -> int:
         return self._past_key.shape[2]
 
+    @property
+    def batchable(self) -> bool:
+        """Only the hidden-threaded mode restarts every pass; the cached mode keeps KV."""
+        return self.kv_mode == "hidden_threaded"
+
     def propose(self, context: ProposerContext) -> Proposal:
-        if context.target_hidden is None:
-            raise InvalidRequestError("MTP proposer requires the target model's last hidden state")
-        hidden = np.asarray(context.target_hidden, np.float32).reshape(1, 1, -1)
-        if hidden.shape[-1] != self.head.hidden_size:
-            raise InvalidRequestError(f"target_hidden length {hidden.shape[-1]} != MTP hidden {self.head.hidden_size}")
+        return self.propose_batch([context])[0]
+
+    def propose_batch(self, contexts: Sequence[ProposerContext]) -> list[Proposal]:
+        """Draft for several sequences with one head run per draft step (each row threads
+        its own hidden state). In the cached mode the rows keep their own KV, so only a
+        single sequence is accepted there."""
+        if len(contexts) > 1 and not self.batchable:
+            raise ValueError("MTP proposals in the 'cached' KV mode run one sequence at a time")
+        size = self.head.hidden_size
+        for context in contexts:
+            if context.target_hidden is None:
+                raise InvalidRequestError("MTP proposer requires the target model's last hidden state")
+            if np.asarray(context.target_hidden).size != size:
+                raise InvalidRequestError(f"target_hidden length {np.asarray(context.target_hidden).size} != "
+                                          f"MTP hidden {size}")
+        batch, steps = len(contexts), max(c.max_drafts for c in contexts)
+        hidden = np.stack([np.asarray(c.target_hidden, np.float32).ravel() for c in contexts]).reshape(batch, 1, size)
         self.reset()
-        previous, tokens = context.guaranteed_token, []
-        for _ in range(context.max_drafts):
-            embedding = self.head.embedder.embed([previous]).reshape(1, 1, -1)
-            *outs, self._past_key, self._past_value = self.head.session.run(
+        past_key, past_value = (np.repeat(self._empty, batch, axis=0),) * 2
+        previous = [c.guaranteed_token for c in contexts]
+        drafted: list[list[int]] = [[] for _ in contexts]
+        for _ in range(steps):
+            past_len = past_key.shape[2]
+            *outs, past_key, past_value = self.head.session.run(
                 [*self._outputs, "present.0.key", "present.0.value"],
-                {"inputs_embeds": embedding, "hidden_states": hidden,
-                 "attention_mask": np.ones((1, self.past_len + 1), np.int64),
-                 "position_ids": np.array([[self.past_len]], np.int64),
-                 "past_key_values.0.key": self._past_key, "past_key_values.0.value": self._past_value})
+                {"inputs_embeds": self.head.embedder.embed(previous).reshape(batch, 1, -1), "hidden_states": hidden,
+                 "attention_mask": np.ones((batch, past_len + 1), np.int64),
+                 "position_ids": np.full((batch, 1), past_len, np.int64),
+                 "past_key_values.0.key": past_key, "past_key_values.0.value": past_value})
             named = dict(zip(self._outputs, outs))
-            logits = named["logits"][0, -1] if self._own_logits else self.head.lm_head.logits(named["mtp_hidden"][0, -1])
-            previous = int(np.argmax(logits))
-            tokens.append(previous)
+            logits = named["logits"][:, -1] if self._own_logits else self.head.lm_head.logits(named["mtp_hidden"][:, -1])
+            previous = [int(t) for t in np.argmax(logits.reshape(batch, -1), axis=-1)]
+            for row, token in zip(drafted, previous):
+                row.append(token)
             if "mtp_hidden" in named:
                 hidden = named["mtp_hidden"]  # thread the head's own hidden state to the next step
-        return Proposal(tokens)
+        if batch == 1:
+            self._past_key, self._past_value = past_key, past_value  # the cached mode keeps them
+        return [Proposal(row[: c.max_drafts]) for row, c in zip(drafted, contexts)]
 
     def accept(self, context: AcceptContext) -> None:
         if self.kv_mode == "hidden_threaded":

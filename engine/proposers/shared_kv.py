@@ -5,6 +5,7 @@ head count and head dim), holds its position constant, and threads its
 ``projected_state``. The first step is a bootstrap whose draft is discarded."""
 from __future__ import annotations
 
+from typing import Sequence
 
 import numpy as np
 
@@ -38,35 +39,54 @@ class SharedKvProposer(StatelessProposer):
         if not self.groups or missing:
             raise ModelLoadError(f"shared-KV head groups {self.groups} do not match its inputs (missing {missing})")
 
+    batchable = True  # no state of its own: any group of sequences can share one run per step
+
     def propose(self, context: ProposerContext) -> Proposal:
-        if context.target_hidden is None:
-            raise InvalidRequestError("shared-KV proposer requires the target model's last hidden state")
-        if context.shared_kv is None:
-            raise InvalidRequestError("shared-KV proposer requires target shared-KV slices")
-        if len(context.context_tokens) < 2:
-            raise InvalidRequestError("shared-KV proposer requires at least one token in the target KV")
-        if context.max_drafts == 0:
-            return Proposal([])
-        hidden = np.asarray(context.target_hidden, np.float32).reshape(1, 1, -1)
+        return self.propose_batch([context])[0]
+
+    def propose_batch(self, contexts: Sequence[ProposerContext]) -> list[Proposal]:
+        """Draft for several sequences at once. Their target KV slices differ in length,
+        so they are padded on the right and the attention mask closes the padding."""
         size = self.head.hidden_size
-        if hidden.shape[-1] != size:
-            raise InvalidRequestError(f"target_hidden length {hidden.shape[-1]} != shared-KV proposer hidden {size}")
-        feed = {}
-        for item in context.shared_kv:
-            feed[f"shared_kv.{item.group}.key"], feed[f"shared_kv.{item.group}.value"] = item.key, item.value
-        kv_len = context.shared_kv[0].kv_len
-        feed["attention_mask"] = np.ones((1, kv_len), np.int64)
+        for context in contexts:
+            if context.target_hidden is None:
+                raise InvalidRequestError("shared-KV proposer requires the target model's last hidden state")
+            if context.shared_kv is None:
+                raise InvalidRequestError("shared-KV proposer requires target shared-KV slices")
+            if len(context.context_tokens) < 2:
+                raise InvalidRequestError("shared-KV proposer requires at least one token in the target KV")
+            if np.asarray(context.target_hidden).size != size:
+                raise InvalidRequestError(f"target_hidden length {np.asarray(context.target_hidden).size} != "
+                                          f"shared-KV proposer hidden {size}")
+        batch, steps = len(contexts), max(c.max_drafts for c in contexts)
+        if steps == 0:
+            return [Proposal([]) for _ in contexts]
+        lengths = [c.shared_kv[0].kv_len for c in contexts]
+        longest = max(lengths)
+        feed = {"attention_mask": np.zeros((batch, longest), np.int64)}
+        for row, length in enumerate(lengths):
+            feed["attention_mask"][row, :length] = 1
+        for slot, item in enumerate(contexts[0].shared_kv):
+            for part in ("key", "value"):
+                first = getattr(item, part)
+                padded = np.zeros((batch, first.shape[1], longest, first.shape[3]), first.dtype)
+                for row, context in enumerate(contexts):
+                    data = getattr(context.shared_kv[slot], part)
+                    padded[row, :, : data.shape[2]] = data[0]
+                feed[f"shared_kv.{item.group}.{part}"] = padded
         # Constant across draft steps: the absolute position of the last token in the target KV.
-        feed["position_ids"] = np.array([[len(context.context_tokens) - 2]], np.int64)
-        last_token = int(context.context_tokens[-2])  # the last token in the target KV
-        tokens: list[int] = []
-        for step in range(context.width):
-            embedding = self.head.embedder.embed([last_token]).reshape(1, 1, -1)
+        feed["position_ids"] = np.array([[len(c.context_tokens) - 2] for c in contexts], np.int64)
+        hidden = np.stack([np.asarray(c.target_hidden, np.float32).ravel() for c in contexts]).reshape(batch, 1, size)
+        last = [int(c.context_tokens[-2]) for c in contexts]  # the last token in the target KV
+        drafted: list[list[int]] = [[] for _ in contexts]
+        for step in range(steps + 1):
+            embedding = self.head.embedder.embed(last).reshape(batch, 1, -1)
             feed["inputs_embeds"] = np.concatenate([embedding, hidden], axis=-1)
             logits, hidden = self.head.session.run(["logits", "projected_state"], feed)
             if step == 0:
-                last_token = context.guaranteed_token  # bootstrap: its own draft is discarded
+                last = [c.guaranteed_token for c in contexts]  # bootstrap: its own draft is discarded
             else:
-                last_token = int(np.argmax(logits[0, -1]))
-                tokens.append(last_token)
-        return Proposal(tokens)
+                last = [int(t) for t in np.argmax(logits[:, -1], axis=-1)]
+                for row, token in zip(drafted, last):
+                    row.append(token)
+        return [Proposal(row[: c.max_drafts]) for row, c in zip(drafted, contexts)]
