@@ -9,8 +9,11 @@ the committed tokens the router already has, so a hop would cost more than the l
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
+import os
+import time
 import uuid
 from pathlib import Path
 from typing import AsyncIterator
@@ -33,6 +36,7 @@ from engine.sequence import TokenEvent
 from engine.sequence_driver import DriverFactory, SequenceDriver
 from engine.tokenizer import TextTokenizer
 
+from .metrics import ServeRoundMetrics
 from .openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs,
                               new_id, now, speculative_body, usage_body)
 from .settings import ServeSettings
@@ -40,6 +44,38 @@ from .transport import ServeTransport
 
 log = logging.getLogger("specserve.router")
 app = FastAPI(title="specserve", description="Lossless speculative decoding behind an OpenAI-compatible API.")
+
+
+_guard = {"api_key": None, "max_body_bytes": 1 << 20}  # set by the Router replica at start-up
+
+
+@app.middleware("http")
+async def _authenticate_and_limit(request: Request, call_next):
+    """Optional bearer-token auth and a request body size limit, before any parsing.
+
+    The key is compared in constant time and never logged or echoed."""
+    if request.method == "POST":
+        length = request.headers.get("content-length")
+        if length is None:
+            return JSONResponse(ApiError(411, "a Content-Length header is required").body(), status_code=411)
+        if not length.isdigit() or int(length) > _guard["max_body_bytes"]:
+            return JSONResponse(ApiError(413, f"request body larger than {_guard['max_body_bytes']} bytes").body(),
+                                status_code=413)
+    key = _guard["api_key"]
+    if key and request.url.path != "/health":
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            return JSONResponse(ApiError(401, "missing or invalid API key (Authorization: Bearer <key>)",
+                                         type_="authentication_error", code="invalid_api_key").body(),
+                                status_code=401)
+    return await call_next(request)
+
+
+@app.exception_handler(Exception)
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+    return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}", type_="server_error").body(),
+                        status_code=500)
 
 
 @app.exception_handler(ApiError)
@@ -71,6 +107,11 @@ class Router:
         self.factory: DriverFactory | None = None
         self.coordinator: RoundCoordinator | None = None
         self.max_context = self.max_tokens_cap = 0
+        self.metrics = ServeRoundMetrics()
+        self._gauges: asyncio.Task | None = None
+        _guard["api_key"] = os.environ.get(self.settings.api_key_env) or None
+        _guard["max_body_bytes"] = self.settings.max_body_bytes
+        log.info("router: API key %s", "required" if _guard["api_key"] else "not configured (open access)")
 
     # -- start-up ------------------------------------------------------------------------
     async def _ensure_ready(self) -> None:
@@ -96,11 +137,21 @@ class Router:
         if s.default_mode not in self.factory.modes:
             raise RuntimeError(f"default_mode '{s.default_mode}' is not deployed (have {self.factory.modes})")
         transport = ServeTransport(self.target, self.proposers, lambda: self._kv)
-        self.coordinator = RoundCoordinator(transport, lanes=s.lanes, max_batch=s.max_batch)
+        self.coordinator = RoundCoordinator(transport, lanes=s.lanes, max_batch=s.max_batch, metrics=self.metrics)
+        self._gauges = asyncio.ensure_future(self._report_kv())
         self.max_context = info["max_context"]
         self.max_tokens_cap = min(s.max_tokens_cap or self.max_context, self.max_context)
         log.info("router ready: modes %s, default %s, target providers %s", self.factory.modes, s.default_mode,
                  info["providers"])
+
+    async def _report_kv(self, period_s: float = 2.0) -> None:
+        """Keep the KV gauges current (the ledger lives in the KV-manager actor)."""
+        while True:
+            try:
+                self.metrics.kv(await self._kv.usage.remote())
+            except Exception as exc:  # noqa: BLE001 - a restarting KV manager must not stop the loop
+                log.debug("KV usage unavailable: %s", exc)
+            await asyncio.sleep(period_s)
 
     # -- HTTP ----------------------------------------------------------------------------
     @app.get("/health")
@@ -173,15 +224,25 @@ class Router:
                            if "context limit" in str(exc) else None) from exc
 
     async def _serve(self, body, options: GenerationOptions, prompt_ids: list[int], chat: bool):
+        arrived = time.perf_counter()
         queue: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
+        stamps: list[float] = []
+
+        def on_token(event: TokenEvent) -> None:
+            stamps.append(time.perf_counter())
+            if body.stream:
+                queue.put_nowait(event)
+
         seq_id = uuid.uuid4().hex
-        driver, kv_tokens = self.factory.create(seq_id, prompt_ids, options,
-                                                queue.put_nowait if body.stream else None)
+        driver, kv_tokens = self.factory.create(seq_id, prompt_ids, options, on_token)
         try:
             admitted = await self.coordinator.admit(driver, kv_tokens)  # 503 here, before any stream starts
         except Exception as exc:  # noqa: BLE001
+            self.metrics.request_done(driver.mode, "rejected", [], arrived)
             raise _as_api_error(exc) from exc
         run = asyncio.ensure_future(self.coordinator.follow(admitted))
+        run.add_done_callback(lambda task: self.metrics.request_done(
+            driver.mode, "cancelled" if task.cancelled() else "error" if task.exception() else "ok", stamps, arrived))
         if not body.stream:
             try:
                 await run

@@ -31,6 +31,9 @@ class ServeSettings(BaseModel):
     max_tokens_cap: int | None = Field(None, ge=1, description="largest max_tokens accepted; None = the context")
     admission_timeout_s: float = Field(30.0, gt=0, description="how long a request waits for KV before a 503")
     served_model_name: str = "specserve"
+    api_key_env: str = Field("SPECSERVE_API_KEY", description="environment variable holding the API key; "
+                             "unset or empty = no authentication. The key itself never goes in this config")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="largest accepted request body")
 
     def bundle_dir(self) -> Path:
         path = Path(self.model_dir).expanduser()

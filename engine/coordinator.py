@@ -38,6 +38,19 @@ class RequestFailedError(EngineError):
     """A request could not be completed; the message says why."""
 
 
+class RoundMetrics:
+    """Where a coordinator reports what it measures; the default records nothing. The
+    Ray Serve router plugs in Prometheus-backed metrics (``deployments/metrics.py``)."""
+
+    def draft_call(self, mode: str, seconds: float) -> None: ...
+
+    def verify_call(self, seconds: float) -> None: ...
+
+    def tick(self, seconds: float, active: int) -> None: ...
+
+    def verify_round(self, mode: str, drafts: int, accepted: int, committed: int) -> None: ...
+
+
 class Transport(Protocol):
     async def admit(self, seq_id: Hashable, tokens: int, committed: Sequence[int],
                     avoid: Sequence[str]) -> Grant: ...
@@ -90,8 +103,10 @@ class TickTimings:
 
 
 class RoundCoordinator:
-    def __init__(self, transport: Transport, lanes: int = 2, max_batch: int = 32) -> None:
+    def __init__(self, transport: Transport, lanes: int = 2, max_batch: int = 32,
+                 metrics: RoundMetrics | None = None) -> None:
         self.transport = transport
+        self.metrics = metrics or RoundMetrics()
         self._lanes = [_Lane() for _ in range(max(1, lanes))]
         self.max_batch = max_batch  # sequences one lane advances per tick; the rest wait their turn (FIFO)
         self.timings = TickTimings()
@@ -191,6 +206,7 @@ class RoundCoordinator:
         t.propose_s += propose_done - started
         t.target_s += finished - propose_done
         t.tick_s += finished - started
+        self.metrics.tick(finished - started, self.active)
 
     def _propose_calls(self, lane: _Lane, decoding: list[_Run]) -> dict:
         groups: dict[tuple[str, str | None], list[tuple[_Run, ProposeItem]]] = defaultdict(list)
@@ -212,7 +228,10 @@ class RoundCoordinator:
 
     async def _propose_group(self, key, pairs, releases):
         mode, replica = key
+        started = time.perf_counter()
         served_by, results = await self.transport.propose(mode, replica, [item for _, item in pairs], releases)
+        if pairs:
+            self.metrics.draft_call(mode, time.perf_counter() - started)
         return served_by, [(run, result) for (run, _), result in zip(pairs, results)]
 
     def _take_proposals(self, lane: _Lane, mode: str, replica: str | None, outcome) -> None:
@@ -251,7 +270,10 @@ class RoundCoordinator:
         return calls
 
     async def _target_group(self, replica, prefills, verifies, releases):
+        started = time.perf_counter()
         results = await self.transport.target_step(replica, prefills, verifies, releases)
+        if prefills or verifies:
+            self.metrics.verify_call(time.perf_counter() - started)
         return results, releases
 
     def _take_target_results(self, lane: _Lane, replica: str, runs: list[_Run], outcome) -> None:
@@ -272,10 +294,16 @@ class RoundCoordinator:
             elif result.error is not None:
                 self._retire(lane, run, RequestFailedError(result.error))
             else:
+                driver = run.driver
+                verifying = driver.prefilled and not driver.resuming
+                drafts = len(driver.drafts) if verifying else 0
                 try:
-                    run.driver.complete(result.outcome, result.outcome.anchor)
+                    committed = driver.complete(result.outcome, result.outcome.anchor)
                 except Exception as exc:  # noqa: BLE001 - e.g. a streaming consumer that went away
                     self._retire(lane, run, exc)
+                    continue
+                if verifying:
+                    self.metrics.verify_round(driver.mode, drafts, result.outcome.accepted, committed)
 
     def _lose_target(self, lane: _Lane, run: _Run) -> None:
         """Re-admit on another replica and re-prefill from the committed tokens."""

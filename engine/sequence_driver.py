@@ -84,6 +84,11 @@ class SequenceDriver:
             return
         self._drafts, self._probs = list(result.tokens), result.probs
 
+    @property
+    def drafts(self) -> list[int]:
+        """This round's drafts (what the next verify pass checks)."""
+        return list(self._drafts)
+
     def verify_item(self) -> VerifyItem:
         return VerifyItem(self.seq_id, list(self._drafts), self._probs)
 

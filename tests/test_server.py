@@ -5,8 +5,10 @@ block comes back -- also after a client disconnects mid-stream."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -25,6 +27,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+METRICS_PORT = _free_port()
+API_KEY = f"sk-test-{uuid.uuid4().hex}"  # the whole module runs with authentication on
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
 @pytest.fixture(scope="module")
 def server():
     """specserve on a fresh local Ray head (127.0.0.1), shut down after the module."""
@@ -34,18 +41,20 @@ def server():
     from cluster.local import serve_local, start_local_ray
 
     port = _free_port()
-    start_local_ray()
+    os.environ["SPECSERVE_API_KEY"] = API_KEY  # Ray's workers inherit this process's environment
     try:
+        start_local_ray(metrics_port=METRICS_PORT, metrics_report_interval_ms=500)
         serve_local({"model_dir": "models", "device": "cpu", "default_mode": "eagle3"}, port=port)
         yield f"http://127.0.0.1:{port}"
     finally:
+        os.environ.pop("SPECSERVE_API_KEY", None)
         serve.shutdown()
         ray.shutdown()
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
 def _handle(name: str):
@@ -70,7 +79,7 @@ def _complete(client, prompt: str, mode: str, max_tokens: int = MAX_TOKENS):
 
 
 def test_health_and_models(server, client):
-    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}  # liveness needs no key
     assert [m.id for m in client.models.list().data] == ["specserve"]
 
 
@@ -153,7 +162,7 @@ def test_hidden_states_and_shared_kv_slices_reach_proposers_as_object_refs(clien
 def test_a_client_that_disconnects_mid_stream_gets_its_kv_blocks_freed(server, heldout_prompts):
     body = {"model": "specserve", "prompt": heldout_prompts[6], "max_tokens": 400, "temperature": 0,
             "stream": True, "ignore_eos": True, "speculative_mode": "draft_model"}
-    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as response:
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60, headers=AUTH) as response:
         assert response.status_code == 200
         lines = response.iter_lines()
         seen = [line for _, line in zip(range(6), lines) if line.startswith("data:")]
@@ -179,7 +188,7 @@ def test_a_client_that_disconnects_mid_stream_gets_its_kv_blocks_freed(server, h
     ({"model": "specserve", "prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
 ])
 def test_bad_requests_get_openai_style_errors(server, body, status, param):
-    response = httpx.post(f"{server}/v1/completions", json=body, timeout=30)
+    response = httpx.post(f"{server}/v1/completions", json=body, timeout=30, headers=AUTH)
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["message"] and error["param"] == param
@@ -187,7 +196,57 @@ def test_bad_requests_get_openai_style_errors(server, body, status, param):
 
 def test_malformed_json_and_empty_chat_are_400(server):
     response = httpx.post(f"{server}/v1/completions", content=b"{not json", timeout=30,
-                          headers={"Content-Type": "application/json"})
+                          headers={"Content-Type": "application/json", **AUTH})
     assert response.status_code == 400 and response.json()["error"]["message"]
-    response = httpx.post(f"{server}/v1/chat/completions", json={"model": "specserve", "messages": []}, timeout=30)
+    response = httpx.post(f"{server}/v1/chat/completions", json={"model": "specserve", "messages": []}, timeout=30,
+                          headers=AUTH)
     assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}])
+def test_without_the_api_key_every_endpoint_but_health_is_401(server, headers):
+    for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/specserve/status")):
+        response = httpx.request(method, f"{server}{path}", headers=headers, timeout=30,
+                                 json={"model": "specserve", "prompt": "x"} if method == "POST" else None)
+        assert response.status_code == 401, path
+        assert response.json()["error"]["type"] == "authentication_error"
+        assert API_KEY not in response.text
+
+
+def test_a_body_over_the_size_limit_is_413_before_parsing(server):
+    response = httpx.post(f"{server}/v1/completions", headers={**AUTH, "Content-Type": "application/json"},
+                          content=b'{"model": "specserve", "prompt": "' + b"x" * (2 << 20) + b'"}', timeout=30)
+    assert response.status_code == 413 and "larger than" in response.json()["error"]["message"]
+
+
+def _scrape(name: str, **labels: str) -> float:
+    """Sum of a metric over the series whose labels include ``labels`` (Prometheus text)."""
+    text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_prometheus_counters_agree_with_the_stats_responses_reported(client, heldout_prompts):
+    counters = {"ray_spec_decode_num_draft_tokens_total": "draft_tokens",
+                "ray_spec_decode_num_accepted_tokens_total": "accepted_tokens",
+                "ray_specserve_verify_rounds_total": "rounds"}
+    before = {name: _scrape(name, mode="shared_kv") for name in counters}
+    before_pos = [_scrape("ray_spec_decode_num_accepted_tokens_per_pos_total", mode="shared_kv", position=str(i))
+                  for i in range(4)]
+    spec = [_complete(client, prompt, "shared_kv").model_extra["speculative"] for prompt in heldout_prompts[:3]]
+    expected = {name: sum(s[field] for s in spec) for name, field in counters.items()}
+    expected_pos = [sum((s["accepted_per_position"] + [0] * 4)[i] for s in spec) for i in range(4)]
+    deadline = time.monotonic() + 30  # workers report every 500 ms here
+    while True:
+        got = {name: _scrape(name, mode="shared_kv") - before[name] for name in counters}
+        if got == expected or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert got == expected and expected["ray_spec_decode_num_draft_tokens_total"] > 0
+    assert [_scrape("ray_spec_decode_num_accepted_tokens_per_pos_total", mode="shared_kv", position=str(i)) - b
+            for i, b in enumerate(before_pos)] == expected_pos
+    assert _scrape("ray_specserve_time_to_first_token_s_count", mode="shared_kv") >= 3
+    assert _scrape("ray_specserve_kv_blocks_free") > 0

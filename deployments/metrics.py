@@ -1,0 +1,101 @@
+"""Prometheus metrics through ``ray.serve.metrics`` (they reach the Ray dashboard and
+any Prometheus that scrapes Ray's metrics endpoint).
+
+The speculative counters carry vLLM's names (``spec_decode_num_drafts``,
+``spec_decode_num_draft_tokens``, ``spec_decode_num_accepted_tokens``,
+``spec_decode_num_accepted_tokens_per_pos``), so dashboards built for vLLM read them;
+Ray's exporter adds its ``ray_`` prefix. Every metric is tagged with the proposer mode
+where one applies, and Serve adds the deployment, replica and application tags.
+"""
+from __future__ import annotations
+
+from ray.serve import metrics
+
+from engine.coordinator import RoundMetrics
+
+LATENCY_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48]
+MODE = ("mode",)
+
+
+class ServeRoundMetrics(RoundMetrics):
+    def __init__(self) -> None:
+        self.num_drafts = metrics.Counter(
+            "spec_decode_num_drafts", "verify rounds that checked at least one draft token", tag_keys=MODE)
+        self.num_draft_tokens = metrics.Counter(
+            "spec_decode_num_draft_tokens", "draft tokens proposed and verified", tag_keys=MODE)
+        self.num_accepted_tokens = metrics.Counter(
+            "spec_decode_num_accepted_tokens", "draft tokens the target accepted", tag_keys=MODE)
+        self.accepted_per_pos = metrics.Counter(
+            "spec_decode_num_accepted_tokens_per_pos", "accepted draft tokens by draft position (0-based)",
+            tag_keys=("mode", "position"))
+        self.wasted_draft_tokens = metrics.Counter(
+            "specserve_wasted_draft_tokens", "draft tokens the target rejected (work thrown away)", tag_keys=MODE)
+        self.verify_rounds = metrics.Counter(
+            "specserve_verify_rounds", "target verify passes per sequence (denominator of tau)", tag_keys=MODE)
+        self.committed_tokens = metrics.Counter(
+            "specserve_round_committed_tokens", "tokens committed by verify rounds (numerator of tau)",
+            tag_keys=MODE)
+        self.draft_latency = metrics.Histogram(
+            "specserve_draft_latency_s", "one proposer call for a batch of sequences, as the router waits for it",
+            boundaries=LATENCY_BUCKETS_S, tag_keys=MODE)
+        self.verify_latency = metrics.Histogram(
+            "specserve_verify_latency_s", "one target call (prefills + batched verify), as the router waits for it",
+            boundaries=LATENCY_BUCKETS_S)
+        self.round_latency = metrics.Histogram(
+            "specserve_round_latency_s", "one tick: every active sequence of a lane advanced by one round",
+            boundaries=LATENCY_BUCKETS_S)
+        self.ttft = metrics.Histogram(
+            "specserve_time_to_first_token_s", "request arrival to first committed token", boundaries=LATENCY_BUCKETS_S,
+            tag_keys=MODE)
+        self.itl = metrics.Histogram(
+            "specserve_inter_token_latency_s", "gap between successive committed tokens of a request",
+            boundaries=LATENCY_BUCKETS_S, tag_keys=MODE)
+        self.e2e = metrics.Histogram(
+            "specserve_e2e_latency_s", "request arrival to its last token", boundaries=LATENCY_BUCKETS_S,
+            tag_keys=MODE)
+        self.requests = metrics.Counter(
+            "specserve_requests", "finished requests by outcome", tag_keys=("mode", "outcome"))
+        self.active = metrics.Gauge("specserve_active_sequences", "sequences being decoded")
+        self.kv_used = metrics.Gauge("specserve_kv_blocks_used", "KV blocks reserved by running sequences")
+        self.kv_free = metrics.Gauge("specserve_kv_blocks_free", "KV blocks free for admission")
+
+    # -- RoundMetrics ------------------------------------------------------------------------
+    def draft_call(self, mode: str, seconds: float) -> None:
+        self.draft_latency.observe(seconds, {"mode": mode})
+
+    def verify_call(self, seconds: float) -> None:
+        self.verify_latency.observe(seconds)
+
+    def tick(self, seconds: float, active: int) -> None:
+        self.round_latency.observe(seconds)
+        self.active.set(active)
+
+    def verify_round(self, mode: str, drafts: int, accepted: int, committed: int) -> None:
+        tags = {"mode": mode}
+        self.verify_rounds.inc(1, tags)
+        self.committed_tokens.inc(committed, tags)
+        if drafts == 0:
+            return
+        self.num_drafts.inc(1, tags)
+        self.num_draft_tokens.inc(drafts, tags)
+        if accepted:
+            self.num_accepted_tokens.inc(accepted, tags)
+        if drafts - accepted:
+            self.wasted_draft_tokens.inc(drafts - accepted, tags)
+        for position in range(accepted):
+            self.accepted_per_pos.inc(1, {"mode": mode, "position": str(position)})
+
+    # -- per request -------------------------------------------------------------------------
+    def request_done(self, mode: str, outcome: str, stamps: list[float], arrived: float) -> None:
+        tags = {"mode": mode}
+        self.requests.inc(1, {"mode": mode, "outcome": outcome})
+        if not stamps:
+            return
+        self.ttft.observe(stamps[0] - arrived, tags)
+        for previous, current in zip(stamps, stamps[1:]):
+            self.itl.observe(current - previous, tags)
+        self.e2e.observe(stamps[-1] - arrived, tags)
+
+    def kv(self, usage: dict) -> None:
+        self.kv_used.set(usage["reserved_blocks"])
+        self.kv_free.set(usage["free_blocks"])
