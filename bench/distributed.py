@@ -17,7 +17,6 @@ import argparse
 import json
 import statistics
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass

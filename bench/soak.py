@@ -1,7 +1,7 @@
 """Soak test: sustained concurrent streaming load on the server, checked for correctness and leaks.
 
     .venv/bin/python bench/soak.py [--url http://127.0.0.1:8000] [--concurrency 64] [--minutes 5] [--max-tokens 48]
-        [--modes none,prompt_lookup,draft_model,mtp,eagle3,shared_kv] [--check-fraction 1.0] [--prompts N]
+        [--modes none,prompt_lookup,draft_model,mtp,eagle3,shared_kv] [--check-fraction 1.0]
         [--start-server] [--port 8000] [--json PATH]
 
 A short benchmark shows speed; a soak shows what only long, mixed load shows: requests
@@ -71,9 +71,8 @@ class RequestRecord:
     error: str | None = None
 
 
-def load_prompts(limit: int | None = None) -> list[str]:
-    prompts = [p["prompt"] for p in json.loads((ROOT / "tests/data/heldout_prompts.json").read_text())]
-    return prompts[:limit] if limit else prompts
+def load_prompts() -> list[str]:
+    return [p["prompt"] for p in json.loads((ROOT / "tests/data/heldout_prompts.json").read_text())]
 
 
 def checked_indices(count: int, fraction: float) -> set[int]:
@@ -166,14 +165,14 @@ def _percentiles_ms(values_s: list[float], qs: tuple[int, ...]) -> dict[str, flo
 
 
 def run_soak(url: str, concurrency: int, seconds: float, max_tokens: int, modes: list[str] | tuple[str, ...],
-             check_fraction: float, num_prompts: int | None = None) -> dict:
+             check_fraction: float) -> dict:
     """Load ``url`` for ``seconds`` from ``concurrency`` threads; return the summary (see ``format_summary``)."""
     check_loopback(url)
     if not 0.0 <= check_fraction <= 1.0:
         raise ValueError(f"check_fraction must be in [0, 1], got {check_fraction}")
     modes = list(modes)
     url = url.rstrip("/")
-    prompts = load_prompts(num_prompts)
+    prompts = load_prompts()
     checked = checked_indices(len(prompts), check_fraction)
     limits = httpx.Limits(max_connections=concurrency + 1, max_keepalive_connections=concurrency + 1)
     with httpx.Client(timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0), limits=limits,
@@ -201,7 +200,7 @@ def run_soak(url: str, concurrency: int, seconds: float, max_tokens: int, modes:
     done = [r for r in records if r.error is None]
     identity_failures = []
     for r in done:
-        want = expected.get(prompts[r.prompt_index]) if r.prompt_index in checked else None
+        want = expected[prompts[r.prompt_index]] if r.prompt_index in checked else None
         if want is not None and r.token_ids != want:
             first = next((k for k, (a, b) in enumerate(zip(r.token_ids, want)) if a != b),
                          min(len(r.token_ids), len(want)))
@@ -291,11 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--modes", type=_modes, default=list(SPECULATIVE_MODES))
     parser.add_argument("--check-fraction", type=float, default=1.0, help="share of prompts checked for identity")
-    parser.add_argument("--prompts", type=int, default=None, help="use the first N held-out prompts (default all)")
     parser.add_argument("--start-server", action="store_true", help="start Ray + specserve here, on --port")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--json", type=Path, default=None, help="also write the summary as JSON here")
     args = parser.parse_args(argv)
+    if not 0.0 <= args.check_fraction <= 1.0:
+        parser.error(f"--check-fraction must be in [0, 1], got {args.check_fraction}")
     if not args.start_server:
         try:
             check_loopback(args.url)
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     with local_server(args.port) if args.start_server else nullcontext(args.url) as url:
         try:
             summary = run_soak(url, args.concurrency, args.minutes * 60, args.max_tokens, args.modes,
-                               args.check_fraction, args.prompts)
+                               args.check_fraction)
         except httpx.HTTPError as exc:  # /specserve/status unreachable: no server there
             parser.exit(2, f"{parser.prog}: cannot read {url}/specserve/status: {type(exc).__name__}: {exc}\n")
     print(format_summary(summary), flush=True)

@@ -25,11 +25,15 @@ class KVManager:
         self.admission_timeout_s = admission_timeout_s
         self._room = asyncio.Condition()
 
-    async def register_pool(self, replica: str, num_blocks: int, block_size: int) -> None:
+    async def register_pool(self, replica: str, num_blocks: int, block_size: int, live: dict | None = None) -> None:
         async with self._room:
-            self.ledger.register_pool(replica, num_blocks, block_size)
+            self.ledger.register_pool(replica, num_blocks, block_size, live)
             self._room.notify_all()
-        log.info("target replica %s registered %d KV blocks of %d tokens", replica, num_blocks, block_size)
+        log.info("target replica %s registered %d KV blocks of %d tokens (%d live sequences)", replica, num_blocks,
+                 block_size, len(live or {}))
+
+    async def has_pool(self, replica: str) -> bool:
+        return self.ledger.has_pool(replica)
 
     async def drop_pool(self, replica: str) -> list[Hashable]:
         async with self._room:

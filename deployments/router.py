@@ -102,7 +102,7 @@ class Router:
         self.chat_template = ChatTemplate.from_model_dir(target_dir)
         self.model_name = self.settings.served_model_name
         self.target, self.proposers = target, proposers
-        self._kv = None
+        self.transport: ServeTransport | None = None
         self._ready: asyncio.Task | None = None
         self.factory: DriverFactory | None = None
         self.coordinator: RoundCoordinator | None = None
@@ -122,7 +122,6 @@ class Router:
     async def _connect(self) -> None:
         """Learn the target's limits and the KV manager once, and wire each head's needs."""
         info = await self.target.describe.remote()
-        self._kv = info["kv_manager"]
         final = self.manifest.models["target"].hidden_outputs.final
         outputs = set(info["extra_outputs"])
         needs: dict[str, Needs] = {}
@@ -136,8 +135,9 @@ class Router:
                                      speculative, needs)
         if s.default_mode not in self.factory.modes:
             raise RuntimeError(f"default_mode '{s.default_mode}' is not deployed (have {self.factory.modes})")
-        transport = ServeTransport(self.target, self.proposers, lambda: self._kv)
-        self.coordinator = RoundCoordinator(transport, lanes=s.lanes, max_batch=s.max_batch, metrics=self.metrics)
+        self.transport = ServeTransport(self.target, self.proposers, info["kv_manager"])
+        self.coordinator = RoundCoordinator(self.transport, lanes=s.lanes, max_batch=s.max_batch, metrics=self.metrics,
+                                            proposer_timeout_s=s.proposer_timeout_s)
         self._gauges = asyncio.ensure_future(self._report_kv())
         self.max_context = info["max_context"]
         self.max_tokens_cap = min(s.max_tokens_cap or self.max_context, self.max_context)
@@ -148,7 +148,7 @@ class Router:
         """Keep the KV gauges current (the ledger lives in the KV-manager actor)."""
         while True:
             try:
-                self.metrics.kv(await self._kv.usage.remote())
+                self.metrics.kv(await self.transport.kv_call("usage"))
             except Exception as exc:  # noqa: BLE001 - a restarting KV manager must not stop the loop
                 log.debug("KV usage unavailable: %s", exc)
             await asyncio.sleep(period_s)
@@ -170,7 +170,7 @@ class Router:
         """Operational view: KV blocks, active sequences, where coordinator time goes."""
         await self._ensure_ready()
         t = self.coordinator.timings
-        return {"kv": await self._kv.usage.remote(), "active_sequences": self.coordinator.active,
+        return {"kv": await self.transport.kv_call("usage"), "active_sequences": self.coordinator.active,
                 "modes": self.factory.modes, "default_mode": self.settings.default_mode,
                 "ticks": t.ticks, "sequence_rounds": t.rounds,
                 "mean_tick_ms": 1000 * t.tick_s / t.ticks if t.ticks else 0.0,
@@ -333,7 +333,7 @@ class Router:
     async def kv_usage(self) -> dict:
         """The KV manager's view (releases trail a request's last token by one tick)."""
         await self._ensure_ready()
-        return await self._kv.usage.remote()
+        return await self.transport.kv_call("usage")
 
 
 def _as_api_error(exc: BaseException) -> ApiError:

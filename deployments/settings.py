@@ -29,6 +29,8 @@ class ServeSettings(BaseModel):
     lanes: int = Field(2, ge=1, le=8, description="independent tick loops; >1 overlaps proposing and verifying")
     max_batch: int = Field(32, ge=1, description="sequences one lane advances per tick")
     max_tokens_cap: int | None = Field(None, ge=1, description="largest max_tokens accepted; None = the context")
+    proposer_timeout_s: float = Field(5.0, gt=0, description="a proposer call slower than this is abandoned; "
+                                      "its sequences run without drafts for a second")
     admission_timeout_s: float = Field(30.0, gt=0, description="how long a request waits for KV before a 503")
     served_model_name: str = "specserve"
     api_key_env: str = Field("SPECSERVE_API_KEY", description="environment variable holding the API key; "

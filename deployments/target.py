@@ -44,11 +44,11 @@ class TargetModel:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._lock = threading.Lock()  # one ONNX run and cache mutation at a time
         self.steps, self.step_s, self.compute_s = 0, 0.0, 0.0  # where a replica's time goes
+        self.health_probes = 0
         self._pending_reports: list = []
         self._last_report = 0.0
-        self.kv = kv_manager_handle()
-        cache = self.decoder.cache
-        ray.get(self.kv.register_pool.remote(self.replica_id, cache.num_blocks, cache.block_size))
+        self.kv = None
+        self._ensure_registered()
 
     def __del__(self) -> None:
         """A replica that shuts down (downscaling, redeploy) takes its pool out of the ledger."""
@@ -59,8 +59,24 @@ class TargetModel:
             except Exception:  # noqa: BLE001 - the manager may be gone already
                 pass
 
+    def _ensure_registered(self) -> None:
+        """Make sure the (current) KV manager knows this replica's pool. After the
+        manager was restarted it knows nothing: re-register with every live sequence's
+        blocks and tokens, so its ledger is whole again and no block is granted twice."""
+        kv = kv_manager_handle()
+        if ray.get(kv.has_pool.remote(self.replica_id), timeout=10):
+            self.kv = kv
+            return
+        cache = self.decoder.cache
+        with self._lock:
+            live = {seq: (cache.owned_blocks(seq), cache.length(seq), self.worker.committed_tokens(seq))
+                    for seq in self.worker.sequences}
+        ray.get(kv.register_pool.remote(self.replica_id, cache.num_blocks, cache.block_size, live), timeout=10)
+        self.kv = kv
+
     def describe(self) -> dict:
         """What a router needs to know once: limits, EOS, outputs, and who allocates KV."""
+        self._ensure_registered()
         decoder = self.decoder.decoder
         return {"replica": self.replica_id, "eos_token_ids": list(self.decoder.eos_token_ids),
                 "max_context": self.decoder.max_context, "vocab_size": decoder.vocab_size,
@@ -69,7 +85,12 @@ class TargetModel:
 
     def step(self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem], releases: Sequence[Hashable],
              replica_hint: str | None = None) -> tuple[str, list[TargetResult]]:
-        """One tick for the sequences on this replica; see ``TargetWorker.step``."""
+        """One tick for the sequences on this replica; see ``TargetWorker.step``.
+
+        A call meant for another replica (routed here because that one is gone) is
+        refused untouched: its KV blocks were granted in the other replica's pool."""
+        if replica_hint is not None and replica_hint != self.replica_id:
+            return self.replica_id, []
         started = time.perf_counter()
         verifies = _resolve_probs(list(verifies))
         with self._lock:
@@ -99,11 +120,14 @@ class TargetModel:
         cache = self.decoder.cache
         return {"replica": self.replica_id, "total_blocks": cache.num_blocks, "free_blocks": cache.free_blocks,
                 "sequences": len(self.worker.sequences), "steps": self.steps, "step_s": self.step_s,
-                "compute_s": self.compute_s}
+                "compute_s": self.compute_s, "health_probes": self.health_probes}
 
     def check_health(self) -> None:
         """Run the real ONNX session on one token, so a stalled or broken model fails
-        Serve's health check and the replica is replaced."""
+        Serve's health check and the replica is replaced; and re-register with a KV
+        manager that was restarted."""
+        self._ensure_registered()
+        self.health_probes += 1
         decoder = self.decoder.decoder
         one = np.zeros((1, 1), np.int64)
         with self._lock:

@@ -3,12 +3,13 @@ per tick, the KV manager by actor calls. Items are small; anchors and draft
 distributions inside them are ObjectRefs, which Ray passes along unresolved."""
 from __future__ import annotations
 
-from typing import Callable, Hashable, Sequence
+import logging
+from typing import Hashable, Sequence
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
-from engine.block_ledger import Grant
+from engine.block_ledger import AdmissionError, Grant
 from engine.coordinator import TargetUnavailableError
 from engine.proposer_worker import ProposeItem, ProposeResult
 from engine.target_worker import PrefillItem, TargetResult, VerifyItem
@@ -16,27 +17,45 @@ from engine.target_worker import PrefillItem, TargetResult, VerifyItem
 from .affinity import REPLICA_HINT
 
 _GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
+log = logging.getLogger("specserve.transport")
 
 
 class ServeTransport:
-    def __init__(self, target: DeploymentHandle, proposers: dict[str, DeploymentHandle],
-                 kv_manager: Callable[[], object]) -> None:
-        self.target, self.proposers, self._kv_manager = target, proposers, kv_manager
+    def __init__(self, target: DeploymentHandle, proposers: dict[str, DeploymentHandle], kv_manager) -> None:
+        self.target, self.proposers, self.kv_manager = target, proposers, kv_manager
+
+    async def kv_call(self, method: str, *args):
+        """Call the KV manager; if it died, fetch the restarted one (a target replica
+        re-registers its pool and live sequences with it first) and try once more."""
+        try:
+            return await getattr(self.kv_manager, method).remote(*args)
+        except _GONE:
+            log.warning("KV manager unavailable; fetching the restarted one")
+            self.kv_manager = (await self.target.describe.remote())["kv_manager"]
+            return await getattr(self.kv_manager, method).remote(*args)
 
     async def admit(self, seq_id: Hashable, tokens: int, committed: Sequence[int], avoid: Sequence[str]) -> Grant:
-        return await self._kv_manager().admit.remote(seq_id, tokens, list(committed), list(avoid))
+        try:
+            return await self.kv_call("admit", seq_id, tokens, list(committed), list(avoid))
+        except _GONE as exc:
+            raise AdmissionError(f"the KV manager is restarting; retry shortly ({type(exc).__name__})") from exc
 
     async def release(self, seq_id: Hashable) -> None:
-        await self._kv_manager().release.remote(seq_id)
+        await self.kv_call("release", seq_id)
+
+    async def forget_target(self, replica: str) -> None:
+        await self.kv_call("drop_pool", replica)
 
     async def target_step(self, replica: str, prefills: list[PrefillItem], verifies: list[VerifyItem],
                           releases: list[Hashable]) -> list[TargetResult]:
         try:
-            # A different replica may serve the call if ours is gone: it answers
-            # ``unknown_sequence`` and the coordinator re-prefills those sequences.
-            _, results = await self.target.step.remote(prefills, verifies, releases, **{REPLICA_HINT: replica})
+            # If ours is gone, another replica gets the call (see affinity.py) and refuses it.
+            served_by, results = await self.target.step.remote(prefills, verifies, releases,
+                                                               **{REPLICA_HINT: replica})
         except _GONE as exc:
             raise TargetUnavailableError(f"target replica {replica} is unavailable: {exc}") from exc
+        if served_by != replica:  # ours is gone; the replica that got the call refused it
+            raise TargetUnavailableError(f"target replica {replica} is gone (call reached {served_by})")
         return results
 
     async def propose(self, mode: str, replica: str | None, items: list[ProposeItem],

@@ -48,10 +48,20 @@ class BlockLedger:
         self._seqs: dict[Hashable, _Entry] = {}
 
     # -- pools ---------------------------------------------------------------------------
-    def register_pool(self, replica: str, num_blocks: int, block_size: int) -> None:
-        """A target replica announces its (empty) pool; re-registering resets it."""
+    def register_pool(self, replica: str, num_blocks: int, block_size: int,
+                      live: dict[Hashable, tuple[list[int], int, list[int]]] | None = None) -> None:
+        """A target replica announces its pool. ``live`` -- sequence -> (granted blocks,
+        KV length, committed tokens) -- restores what a replica already holds when the
+        ledger itself was lost (a restarted KV manager), so no block is granted twice."""
         self.drop_pool(replica)
-        self._pools[replica] = _Pool(num_blocks, block_size, list(range(num_blocks)))
+        live = live or {}
+        used = {b for blocks, _, _ in live.values() for b in blocks}
+        self._pools[replica] = _Pool(num_blocks, block_size, [b for b in range(num_blocks) if b not in used])
+        for seq_id, (blocks, kv_length, committed) in live.items():
+            self._seqs[seq_id] = _Entry(replica, list(blocks), kv_length, list(committed))
+
+    def has_pool(self, replica: str) -> bool:
+        return replica in self._pools
 
     def drop_pool(self, replica: str) -> list[Hashable]:
         """Forget a replica's pool (it died); returns the sequences that lived on it."""
@@ -77,9 +87,9 @@ class BlockLedger:
         Raises ``AdmissionError`` when no pool could ever hold the request."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already admitted")
-        pools = {r: p for r, p in self._pools.items() if r not in avoid} or self._pools
+        pools = {r: p for r, p in self._pools.items() if r not in avoid}
         if not pools:
-            raise AdmissionError("no target replica has registered a KV pool yet")
+            return None  # no live target replica yet (starting, or being replaced): wait
         fits_ever = [r for r, p in pools.items() if -(-tokens // p.block_size) <= p.num_blocks]
         if not fits_ever:
             largest = max(p.num_blocks * p.block_size for p in pools.values())

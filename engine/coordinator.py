@@ -63,6 +63,9 @@ class Transport(Protocol):
     async def propose(self, mode: str, replica: str | None, items: list[ProposeItem],
                       releases: list[Hashable]) -> tuple[str | None, list[ProposeResult]]: ...
 
+    async def forget_target(self, replica: str) -> None:
+        """A target replica is gone: its pool must stop taking admissions."""
+
 
 @dataclass(eq=False)
 class _Run:
@@ -104,9 +107,17 @@ class TickTimings:
 
 class RoundCoordinator:
     def __init__(self, transport: Transport, lanes: int = 2, max_batch: int = 32,
-                 metrics: RoundMetrics | None = None) -> None:
+                 metrics: RoundMetrics | None = None, proposer_timeout_s: float = 5.0,
+                 proposer_backoff_s: float = 1.0) -> None:
         self.transport = transport
         self.metrics = metrics or RoundMetrics()
+        # A proposer that fails or stalls costs speed, never correctness: its sequences run
+        # rounds without drafts for ``proposer_backoff_s``, then try again (a replacement
+        # replica re-syncs from the whole context).
+        self.proposer_timeout_s, self.proposer_backoff_s = proposer_timeout_s, proposer_backoff_s
+        self._proposer_down_until: dict[str, float] = {}
+        self._forgotten: set[str] = set()
+        self._forgetting: asyncio.Future | None = None
         self._lanes = [_Lane() for _ in range(max(1, lanes))]
         self.max_batch = max_batch  # sequences one lane advances per tick; the rest wait their turn (FIFO)
         self.timings = TickTimings()
@@ -210,10 +221,14 @@ class RoundCoordinator:
 
     def _propose_calls(self, lane: _Lane, decoding: list[_Run]) -> dict:
         groups: dict[tuple[str, str | None], list[tuple[_Run, ProposeItem]]] = defaultdict(list)
+        now = time.monotonic()
         for run in decoding:
             driver = run.driver
             if driver.local_proposer is not None:
                 driver.propose_locally()
+                continue
+            if self._proposer_down_until.get(driver.mode, 0.0) > now:
+                driver.no_drafts()
                 continue
             item = driver.propose_item()
             if item is not None:
@@ -229,7 +244,8 @@ class RoundCoordinator:
     async def _propose_group(self, key, pairs, releases):
         mode, replica = key
         started = time.perf_counter()
-        served_by, results = await self.transport.propose(mode, replica, [item for _, item in pairs], releases)
+        served_by, results = await asyncio.wait_for(
+            self.transport.propose(mode, replica, [item for _, item in pairs], releases), self.proposer_timeout_s)
         if pairs:
             self.metrics.draft_call(mode, time.perf_counter() - started)
         return served_by, [(run, result) for (run, _), result in zip(pairs, results)]
@@ -237,7 +253,9 @@ class RoundCoordinator:
     def _take_proposals(self, lane: _Lane, mode: str, replica: str | None, outcome) -> None:
         if isinstance(outcome, BaseException):
             # A proposer replica failed: these rounds go without drafts (still exact).
-            log.warning("proposer %s (replica %s) failed: %s; continuing without drafts", mode, replica, outcome)
+            log.warning("proposer %s (replica %s) failed: %r; rounds go without its drafts for %.1f s", mode,
+                        replica, outcome, self.proposer_backoff_s)
+            self._proposer_down_until[mode] = time.monotonic() + self.proposer_backoff_s
             for run in lane.runs:
                 if run.driver.mode == mode and run.proposer_replica == replica:
                     run.proposer_replica = None
@@ -279,6 +297,7 @@ class RoundCoordinator:
     def _take_target_results(self, lane: _Lane, replica: str, runs: list[_Run], outcome) -> None:
         if isinstance(outcome, TargetUnavailableError):
             log.warning("target replica %s is gone; re-prefilling its %d sequences elsewhere", replica, len(runs))
+            self._forget_target(replica)
             for run in runs:
                 self._lose_target(lane, run)
             return
@@ -305,6 +324,11 @@ class RoundCoordinator:
                 if verifying:
                     self.metrics.verify_round(driver.mode, drafts, result.outcome.accepted, committed)
 
+    def _forget_target(self, replica: str) -> None:
+        if replica not in self._forgotten:
+            self._forgotten.add(replica)
+            self._forgetting = asyncio.ensure_future(self.transport.forget_target(replica))
+
     def _lose_target(self, lane: _Lane, run: _Run) -> None:
         """Re-admit on another replica and re-prefill from the committed tokens."""
         lost = run.grant.replica
@@ -312,7 +336,9 @@ class RoundCoordinator:
         run.driver.lost_target()
 
         async def readmit() -> None:
-            await self.transport.release(run.driver.seq_id)
+            if self._forgetting is not None:
+                await asyncio.gather(self._forgetting, return_exceptions=True)
+            await asyncio.gather(self.transport.release(run.driver.seq_id), return_exceptions=True)
             try:
                 run.grant = await self.transport.admit(run.driver.seq_id, run.kv_tokens, run.driver.state.tokens,
                                                        [lost])

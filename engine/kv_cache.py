@@ -181,6 +181,11 @@ class PagedKVCache:
         """Physical block ids of the sequence, ``None`` where an evicted block was freed."""
         return list(self._get(seq_id).table)
 
+    def owned_blocks(self, seq_id: Hashable) -> list[int]:
+        """Every block the sequence holds: its table, then what is left of its reservation."""
+        s = self._get(seq_id)
+        return [b for b in s.table if b is not None] + list(s.reserved or ())
+
     @property
     def free_blocks(self) -> int:
         return len(self._free)

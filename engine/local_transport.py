@@ -43,3 +43,6 @@ class LocalTransport:
         worker = self.proposers[mode]
         worker.release(releases)
         return LOCAL_REPLICA, worker.propose(items)
+
+    async def forget_target(self, replica: str) -> None:
+        return None  # the one local target never goes away

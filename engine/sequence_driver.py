@@ -77,6 +77,10 @@ class SequenceDriver:
                                                                 state.options, Anchor(), None, state.text))
         self._drafts = [int(t) for t in proposal.tokens[: width - 1]]
 
+    def no_drafts(self) -> None:
+        """This round verifies no drafts (its proposer is unavailable)."""
+        self._drafts, self._probs = [], None
+
     def take_proposal(self, result: ProposeResult) -> None:
         if result.resync:
             self._proposer_has = 0  # send everything next round; this round has no drafts

@@ -80,6 +80,9 @@ class TargetWorker:
     def sequences(self) -> list[Hashable]:
         return list(self._seqs)
 
+    def committed_tokens(self, seq_id: Hashable) -> list[int]:
+        return list(self._seqs[seq_id].tokens)
+
     def step(self, prefills: Sequence[PrefillItem] = (), verifies: Sequence[VerifyItem] = (),
              releases: Sequence[Hashable] = ()) -> list[TargetResult]:
         """Free finished sequences, run each prefill alone, then every verify in one batched

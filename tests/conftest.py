@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -38,3 +40,35 @@ def bundle_engine() -> Engine:
 def draft_engine() -> Engine:
     """The small draft model: cheap stand-in where a test needs any real decoder."""
     return Engine(DRAFT_DIR, CPU_CONFIG)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(args: dict | None = None, env: dict[str, str] | None = None, **ray_options):
+    """specserve on a fresh local Ray head (127.0.0.1); yields its base URL and shuts
+    Ray down afterwards. ``env`` is set before Ray starts (its workers inherit it)."""
+    import ray
+    from ray import serve
+
+    from cluster.local import serve_local, start_local_ray
+
+    port = free_port()
+    saved = {key: os.environ.get(key) for key in env or {}}
+    os.environ.update(env or {})
+    try:
+        start_local_ray(**ray_options)
+        serve_local({"model_dir": "models", "device": "cpu", "default_mode": "eagle3", **(args or {})}, port=port)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        serve.shutdown()
+        ray.shutdown()

@@ -5,8 +5,6 @@ block comes back -- also after a client disconnects mid-stream."""
 from __future__ import annotations
 
 import json
-import os
-import socket
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -17,39 +15,22 @@ import pytest
 
 from engine import GenerationOptions
 
+from .conftest import free_port, running_server
+
 MODES = ("none", "prompt_lookup", "draft_model", "mtp", "eagle3", "shared_kv")
 MAX_TOKENS = 24
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-METRICS_PORT = _free_port()
+METRICS_PORT = free_port()
 API_KEY = f"sk-test-{uuid.uuid4().hex}"  # the whole module runs with authentication on
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
 def server():
-    """specserve on a fresh local Ray head (127.0.0.1), shut down after the module."""
-    import ray
-    from ray import serve
-
-    from cluster.local import serve_local, start_local_ray
-
-    port = _free_port()
-    os.environ["SPECSERVE_API_KEY"] = API_KEY  # Ray's workers inherit this process's environment
-    try:
-        start_local_ray(metrics_port=METRICS_PORT, metrics_report_interval_ms=500)
-        serve_local({"model_dir": "models", "device": "cpu", "default_mode": "eagle3"}, port=port)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        os.environ.pop("SPECSERVE_API_KEY", None)
-        serve.shutdown()
-        ray.shutdown()
+    with running_server(env={"SPECSERVE_API_KEY": API_KEY}, metrics_port=METRICS_PORT,
+                        metrics_report_interval_ms=500) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
