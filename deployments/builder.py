@@ -51,25 +51,35 @@ def build_app(args: dict | None = None) -> Application:
     engine_config = settings.engine_config()
     gpu = settings.device == "cuda"
 
-    target = serve.deployment(TargetModel).options(
-        name="TargetModel", num_replicas=1, max_ongoing_requests=2 * settings.lanes,
-        ray_actor_options={"num_cpus": 0.5, **({"num_gpus": 1} if gpu else {})},
-        request_router_config=AFFINITY, health_check_period_s=10, logging_config=QUIET,
-        deployment_actors=[DeploymentActorConfig(
+    overrides = settings.deployment_overrides
+
+    def options(name: str, defaults: dict) -> dict:
+        """Code defaults, then ``deployment_overrides`` (programmatic runs; a config
+        file's ``deployments:`` section overrides both)."""
+        merged = {"name": name, **defaults, **overrides.get(name, {})}
+        if "autoscaling_config" in overrides.get(name, {}):
+            merged.pop("num_replicas", None)  # Serve takes one or the other
+        return merged
+
+    target = serve.deployment(TargetModel).options(**options("TargetModel", {
+        "num_replicas": 1, "max_ongoing_requests": 2 * settings.lanes,
+        "ray_actor_options": {"num_cpus": 0.5, **({"num_gpus": 1} if gpu else {})},
+        "request_router_config": AFFINITY, "health_check_period_s": 10, "logging_config": QUIET,
+        "deployment_actors": [DeploymentActorConfig(
             name=KV_MANAGER, actor_class=ray.remote(KVManager),
             init_kwargs={"admission_timeout_s": settings.admission_timeout_s},
-            actor_options={"num_cpus": 0.05})],
+            actor_options={"num_cpus": 0.05})]}),
     ).bind(str(bundle / manifest.models["target"].directory), engine_config)
     proposers = {
-        mode: serve.deployment(ProposerModel).options(
-            name=PROPOSER_DEPLOYMENTS[mode], num_replicas=1, max_ongoing_requests=2 * settings.lanes,
-            ray_actor_options={"num_cpus": 0.25, **({"num_gpus": 0.25} if gpu else {})},
-            request_router_config=AFFINITY, health_check_period_s=10, logging_config=QUIET,
+        mode: serve.deployment(ProposerModel).options(**options(PROPOSER_DEPLOYMENTS[mode], {
+            "num_replicas": 1, "max_ongoing_requests": 2 * settings.lanes,
+            "ray_actor_options": {"num_cpus": 0.25, **({"num_gpus": 0.25} if gpu else {})},
+            "request_router_config": AFFINITY, "health_check_period_s": 10, "logging_config": QUIET}),
         ).bind(str(bundle), mode, engine_config)
         for mode in wanted}
-    router = serve.deployment(RouterIngress).options(
-        name="Router", num_replicas=1, max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.25},
-    ).bind(target, proposers, settings.model_dump())
+    router = serve.deployment(RouterIngress).options(**options("Router", {
+        "num_replicas": 1, "max_ongoing_requests": 256, "ray_actor_options": {"num_cpus": 0.25}}),
+    ).bind(target, proposers, settings.model_dump(exclude={"deployment_overrides"}))
     log.info("specserve: bundle %s, device %s, modes %s (default %s)", bundle, settings.device,
              ["none", "prompt_lookup", *wanted], settings.default_mode)
     return router

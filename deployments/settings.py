@@ -37,6 +37,10 @@ class ServeSettings(BaseModel):
                              "unset or empty = no authentication. The key itself never goes in this config")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest accepted request body")
 
+    deployment_overrides: dict[str, dict] = Field(
+        default_factory=dict, description="per-deployment Serve options for programmatic runs (tests, "
+        "cluster.local), e.g. {'Eagle3Proposer': {'autoscaling_config': {...}}}; config files use `deployments:`")
+
     def bundle_dir(self) -> Path:
         path = Path(self.model_dir).expanduser()
         if path.is_absolute() or path.exists():
