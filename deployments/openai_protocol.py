@@ -42,7 +42,7 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str
+    model: str = Field(examples=["specserve"])
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -87,7 +87,7 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(examples=["def read_config(path):"])
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: Literal[False] = False

@@ -5,6 +5,8 @@ block comes back -- also after a client disconnects mid-stream."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -231,3 +233,13 @@ def test_prometheus_counters_agree_with_the_stats_responses_reported(client, hel
             for i, b in enumerate(before_pos)] == expected_pos
     assert _scrape("ray_specserve_time_to_first_token_s_count", mode="shared_kv") >= 3
     assert _scrape("ray_specserve_kv_blocks_free") > 0
+
+
+def test_schemathesis_finds_no_server_errors(server):
+    """A short property-based run against /openapi.json (the README has the long one)."""
+    command = [sys.executable, "-m", "schemathesis.cli", "run", f"{server}/openapi.json", "--checks",
+               "not_a_server_error", "--max-time", "25", "-n", "10", "-w", "1", "--request-timeout", "60",
+               "--seed", "7", "-H", f"Authorization: Bearer {API_KEY}"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "passed" in result.stdout
