@@ -5,11 +5,13 @@ block comes back -- also after a client disconnects mid-stream."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -243,3 +245,17 @@ def test_schemathesis_finds_no_server_errors(server):
     result = subprocess.run(command, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert "passed" in result.stdout
+
+
+def test_every_metric_the_grafana_dashboard_plots_is_exported(client, heldout_prompts):
+    _complete(client, heldout_prompts[7], "mtp", max_tokens=8)
+    dashboard = (Path(__file__).resolve().parents[1] / "cluster/grafana-dashboard.json").read_text()
+    wanted = set(re.findall(r"ray_[a-z_]+", dashboard))
+    deadline = time.monotonic() + 30
+    while True:
+        exported = set(re.findall(r"^(ray_[a-z_]+)", httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics").text,
+                                  re.MULTILINE))
+        if wanted <= exported or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert wanted and wanted <= exported, sorted(wanted - exported)
