@@ -13,6 +13,7 @@ from engine import GenerationOptions
 from engine.block_ledger import AdmissionError, BlockLedger
 from engine.cached_decoder import CachedDecoder
 from engine.coordinator import RoundCoordinator
+from engine.errors import InvalidRequestError
 from engine.local_transport import LocalTransport
 from engine.proposer_loading import load_proposer_factory
 from engine.proposer_worker import ProposerWorker
@@ -133,3 +134,14 @@ def test_the_ledger_reserves_whole_requests_on_the_roomiest_pool_and_refuses_wha
         assert ledger.release(seq)
     assert ledger.usage()["free_blocks"] == 12 and not ledger.release("s1")
     assert np.array_equal(sorted(ledger._pools["b"].free), np.arange(8))
+
+
+def test_a_mode_the_server_did_not_deploy_is_refused_by_name(split):
+    _, factory = split
+    only_eagle = DriverFactory(factory.tokenizer, factory.eos_token_ids, factory.max_context, factory.vocab_size,
+                               factory.speculative, {"eagle3": factory.remote_needs["eagle3"]})
+    assert only_eagle.modes == ["none", "prompt_lookup", "eagle3"]
+    with pytest.raises(InvalidRequestError, match="'mtp' is not loaded.*available: none, prompt_lookup, eagle3"):
+        only_eagle.create("x", [1, 2, 3], GenerationOptions(speculative_mode="mtp"))
+    driver, kv_tokens = only_eagle.create("y", [1, 2, 3], GenerationOptions(max_new_tokens=600))
+    assert driver.mode == "none" and kv_tokens == factory.max_context  # the default mode; KV capped at the context
