@@ -135,7 +135,7 @@ class RoundCoordinator:
         admission error, so a server can answer 503 before it starts a stream."""
         run = _Run(driver, kv_tokens, asyncio.get_running_loop().create_future())
         try:
-            run.grant = await self.transport.admit(driver.seq_id, kv_tokens, [], [])
+            run.grant = await self.transport.admit(driver.seq_id, kv_tokens, driver.state.tokens, [])
         except asyncio.CancelledError:
             asyncio.ensure_future(self.transport.release(driver.seq_id))  # an admit may land after we left
             raise
@@ -340,10 +340,17 @@ class RoundCoordinator:
                 await asyncio.gather(self._forgetting, return_exceptions=True)
             await asyncio.gather(self.transport.release(run.driver.seq_id), return_exceptions=True)
             try:
-                run.grant = await self.transport.admit(run.driver.seq_id, run.kv_tokens, run.driver.state.tokens,
-                                                       [lost])
+                grant = await self.transport.admit(run.driver.seq_id, run.kv_tokens, run.driver.state.tokens,
+                                                   [lost])
             except Exception as exc:  # noqa: BLE001
                 self._retire(lane, run, RequestFailedError(f"could not move the request to a live target: {exc}"))
+                return
+            finally:
+                run.readmitting = None
+            if run in lane.runs:
+                run.grant = grant
+            else:  # retired (cancelled) while it waited: give the new grant straight back
+                lane.kv_releases.append(run.driver.seq_id)
             lane.wake.set()
 
         run.readmitting = asyncio.ensure_future(readmit())

@@ -259,3 +259,18 @@ def test_every_metric_the_grafana_dashboard_plots_is_exported(client, heldout_pr
             break
         time.sleep(0.5)
     assert wanted and wanted <= exported, sorted(wanted - exported)
+
+
+def test_seeded_sampling_with_a_sampling_drafter_is_reproducible_and_complete(client, heldout_prompts):
+    """Sampling with the draft model: its draft distributions travel to the target by
+    ObjectRef for rejection sampling; a seed makes the whole request reproducible."""
+    def sample(seed: int):
+        return client.completions.create(model="specserve", prompt=heldout_prompts[8], max_tokens=24,
+                                         temperature=0.8, top_p=0.95, seed=seed,
+                                         extra_body={"speculative_mode": "draft_model", "return_token_ids": True,
+                                                     "ignore_eos": True})
+    first, again, other = sample(11), sample(11), sample(12)
+    assert len(first.choices[0].model_extra["token_ids"]) == 24
+    assert first.choices[0].model_extra["token_ids"] == again.choices[0].model_extra["token_ids"]
+    assert first.choices[0].model_extra["token_ids"] != other.choices[0].model_extra["token_ids"]
+    assert first.model_extra["speculative"]["draft_tokens"] > 0
