@@ -13,7 +13,12 @@ A round is split in two halves around the target pass -- ``plan`` (propose; say 
 feed) and ``complete`` (verify, rewind, commit, notify the proposer) -- so that one
 pass can serve a whole batch of sequences (``batching.py``) with the same algorithm.
 Inside ``complete``, ``verify_on_target`` is the only part that reads logits; it returns
-a small ``RoundOutcome``, which is what a remote target will send back.
+a small ``RoundOutcome``, which is exactly what a remote target sends back.
+
+The pieces both transports share live here too: ``draft_width``, ``proposer_context``,
+``verify_on_target``, ``commit_outcome`` and ``record_round``. The distributed split of
+the same round is ``sequence_driver.py`` (coordinator side), ``target_worker.py`` and
+``proposer_worker.py``, driven by ``coordinator.py``.
 """
 from __future__ import annotations
 
