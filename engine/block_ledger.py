@@ -71,15 +71,7 @@ class BlockLedger:
         self._pools.pop(replica, None)
         return lost
 
-    @property
-    def replicas(self) -> list[str]:
-        return list(self._pools)
-
     # -- sequences -----------------------------------------------------------------------
-    def blocks_for(self, tokens: int, replica: str | None = None) -> int:
-        pool = self._pools[replica] if replica else next(iter(self._pools.values()))
-        return -(-tokens // pool.block_size)
-
     def try_admit(self, seq_id: Hashable, tokens: int, committed: Sequence[int] = (),
                   avoid: Sequence[str] = ()) -> Grant | None:
         """Reserve blocks for ``tokens`` on the roomiest pool; None if none has room now.

@@ -191,8 +191,8 @@ class RoundCoordinator:
             if run.cancelled or run.driver.finished:
                 self._retire(lane, run)
         ready = [r for r in lane.runs if r.grant is not None][: self.max_batch]
-        decoding = [r for r in ready if r.driver.prefilled and not r.driver.resuming]
-        prefilling = [r for r in ready if not r.driver.prefilled or r.driver.resuming]
+        prefilling = [r for r in ready if r.driver.needs_prefill]
+        decoding = [r for r in ready if not r.driver.needs_prefill]
 
         proposals = self._propose_calls(lane, decoding)
         results = await asyncio.gather(*proposals.values(), return_exceptions=True)
@@ -313,16 +313,13 @@ class RoundCoordinator:
             elif result.error is not None:
                 self._retire(lane, run, RequestFailedError(result.error))
             else:
-                driver = run.driver
-                verifying = driver.prefilled and not driver.resuming
-                drafts = len(driver.drafts) if verifying else 0
                 try:
-                    committed = driver.complete(result.outcome, result.outcome.anchor)
+                    verified = run.driver.complete(result.outcome, result.outcome.anchor)
                 except Exception as exc:  # noqa: BLE001 - e.g. a streaming consumer that went away
                     self._retire(lane, run, exc)
                     continue
-                if verifying:
-                    self.metrics.verify_round(driver.mode, drafts, result.outcome.accepted, committed)
+                if verified is not None:
+                    self.metrics.verify_round(run.driver.mode, *verified)
 
     def _forget_target(self, replica: str) -> None:
         if replica not in self._forgotten:

@@ -13,7 +13,7 @@ target is remote -- the coordinator passes it on without looking inside.
 """
 from __future__ import annotations
 
-from typing import Any, Hashable, Sequence
+from typing import Any, Hashable, NamedTuple, Sequence
 
 from .errors import InvalidRequestError
 from .options import SPECULATIVE_MODES, GenerationOptions, SpeculativeConfig
@@ -25,6 +25,12 @@ from .sequence import SequenceState, TokenCallback
 from .stats import SpeculativeStats
 from .target_worker import PrefillItem, VerifyItem
 from .tokenizer import TextTokenizer, encode_prompt
+
+
+class VerifiedRound(NamedTuple):
+    drafts: int
+    accepted: int
+    committed: int
 
 
 class SequenceDriver:
@@ -45,6 +51,11 @@ class SequenceDriver:
     def finished(self) -> bool:
         return self.state.finished
 
+    @property
+    def needs_prefill(self) -> bool:
+        """The next target pass is a prefill: a new request, or one whose KV was lost."""
+        return not self.prefilled or self.resuming
+
     # -- what to send --------------------------------------------------------------------
     def prefill_item(self, reserved_blocks: list[int] | None) -> PrefillItem:
         """The prompt, or, after the sequence lost its target, every committed token."""
@@ -56,7 +67,7 @@ class SequenceDriver:
 
     def propose_item(self) -> ProposeItem | None:
         """The message for a remote proposer this round, or None if no drafts are wanted."""
-        self._drafts, self._probs = [], None
+        self.no_drafts()
         width = self.width()
         if not self.remote_proposer or width <= 1:
             return None
@@ -68,7 +79,7 @@ class SequenceDriver:
 
     def propose_locally(self) -> None:
         """Draft with the in-coordinator (model-free) proposer, if this request has one."""
-        self._drafts, self._probs = [], None
+        self.no_drafts()
         width = self.width()
         if self.local_proposer is None or width <= 1:
             return
@@ -84,41 +95,37 @@ class SequenceDriver:
     def take_proposal(self, result: ProposeResult) -> None:
         if result.resync:
             self._proposer_has = 0  # send everything next round; this round has no drafts
-            self._drafts, self._probs = [], None
+            self.no_drafts()
             return
         self._drafts, self._probs = list(result.tokens), result.probs
-
-    @property
-    def drafts(self) -> list[int]:
-        """This round's drafts (what the next verify pass checks)."""
-        return list(self._drafts)
 
     def verify_item(self) -> VerifyItem:
         return VerifyItem(self.seq_id, list(self._drafts), self._probs)
 
     # -- what came back ------------------------------------------------------------------
-    def complete(self, outcome: RoundOutcome, anchor: Any) -> int:
-        """Commit a round's (or the prefill's) outcome; returns the tokens committed."""
+    def complete(self, outcome: RoundOutcome, anchor: Any) -> VerifiedRound | None:
+        """Commit a round's (or the prefill's) outcome; returns what a verify round did
+        (None for a prefill or a resume), for the coordinator's metrics."""
         self.anchor = anchor
         if self.resuming:
             self.resuming = False
-            return 0
+            return None
         committed = commit_outcome(self.state, outcome)
         if not self.prefilled:
             self.prefilled = True
-            return committed
+            return None
         record_round(self.stats, len(self._drafts), outcome.accepted, committed)
         self._last_accepted = outcome.accepted
         if self.local_proposer is not None:
             self.local_proposer.accept(AcceptContext(outcome.accepted, outcome.tokens[:committed],
                                                      list(self.state.tokens)))
-        return committed
+        return VerifiedRound(len(self._drafts), outcome.accepted, committed)
 
     def lost_target(self) -> None:
         """The target holding this sequence's KV is gone: re-prefill what is committed."""
         self.resuming = self.prefilled
         self._proposer_has = 0
-        self._drafts, self._probs = [], None
+        self.no_drafts()
 
 
 class DriverFactory:
