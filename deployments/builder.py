@@ -14,8 +14,8 @@ from ray.serve import Application
 from ray.serve.config import DeploymentActorConfig, RequestRouterConfig
 
 from engine.errors import ModelLoadError
-from engine.manifest import BundleManifest
-from engine.proposer_loading import MODEL_MODES
+from engine.model.manifest import BundleManifest
+from engine.spec.proposers.registry import MODEL_MODES
 
 from .kv_manager import KVManager
 from .proposer import ProposerModel

@@ -1,5 +1,5 @@
 """The KV-manager actor: the single authority for KV block allocation across target
-replicas (``engine.block_ledger``), with admission that waits for room.
+replicas (``engine.kv.block_ledger``), with admission that waits for room.
 
 It is a Serve deployment-scoped actor of the target deployment: the Serve controller
 creates it with the deployment, health-checks it, restarts it if it dies and removes
@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Hashable, Sequence
 
-from engine.block_ledger import AdmissionError, BlockLedger, Grant
+from engine.kv.block_ledger import AdmissionError, BlockLedger, Grant
 
 log = logging.getLogger("specserve.kv_manager")
 

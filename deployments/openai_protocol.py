@@ -18,8 +18,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.options import MAX_SPECULATIVE_TOKENS, GenerationOptions, SpeculativeMode
-from engine.sampling import TokenLogprob
-from engine.stats import SpeculativeStats
+from engine.spec.sampling import TokenLogprob
+from engine.spec.stats import SpeculativeStats
 
 
 class ApiError(Exception):

@@ -1,5 +1,5 @@
 """A proposer deployment: one model-based proposer kind (draft model, MTP, EAGLE-3 or
-shared-KV) with its own replicas and resources (``engine.proposer_worker``).
+shared-KV) with its own replicas and resources (``engine.sched.proposer_worker``).
 
 Target hidden states and shared-KV slices arrive as ObjectRefs to the object the target
 replica put in the store -- the router passes the references on without touching the
@@ -16,10 +16,10 @@ import numpy as np
 import ray
 from ray import serve
 
-from engine.manifest import BundleManifest
+from engine.model.manifest import BundleManifest
 from engine.options import EngineConfig
-from engine.proposer_loading import load_proposer_factory
-from engine.proposer_worker import ProposeItem, ProposeResult, ProposerWorker
+from engine.spec.proposers.registry import load_proposer_factory
+from engine.sched.proposer_worker import ProposeItem, ProposeResult, ProposerWorker
 
 
 class ProposerModel:

@@ -24,17 +24,17 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from engine.block_ledger import AdmissionError
-from engine.chat import ChatTemplate
-from engine.coordinator import RequestFailedError, RoundCoordinator
+from engine.kv.block_ledger import AdmissionError
+from engine.model.chat import ChatTemplate
+from engine.sched.coordinator import RequestFailedError, RoundCoordinator
 from engine.errors import InvalidRequestError
-from engine.manifest import BundleManifest
+from engine.model.manifest import BundleManifest
 from engine.options import GenerationOptions, SpeculativeConfig
-from engine.proposer_loading import head_config, head_needs
-from engine.proposers.base import Needs
-from engine.sequence import TokenEvent
-from engine.sequence_driver import DriverFactory, SequenceDriver
-from engine.tokenizer import TextTokenizer
+from engine.spec.proposers.registry import head_config, head_needs
+from engine.spec.proposers.base import Needs
+from engine.spec.sequence import TokenEvent
+from engine.sched.sequence_driver import DriverFactory, SequenceDriver
+from engine.model.tokenizer import TextTokenizer
 
 from .metrics import ServeRoundMetrics
 from .openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs,

@@ -6,7 +6,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.options import MAX_SPECULATIVE_TOKENS, EngineConfig, SpeculativeMode
-from engine.providers import Device
+from engine.model.providers import Device
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 

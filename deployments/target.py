@@ -1,6 +1,6 @@
 """The target-model deployment: owns the target's ONNX session and the physical KV
 pages of the sequences routed to it, and runs their prefills and batched verifies
-(``engine.target_worker``). Per sequence it returns O(k) data -- accepted count,
+(``engine.sched.target_worker``). Per sequence it returns O(k) data -- accepted count,
 tokens, logprobs -- and puts the hidden-state anchors (and shared-KV slices) of the
 whole call into the object store as one object, returning only its ObjectRef."""
 from __future__ import annotations
@@ -16,9 +16,9 @@ import numpy as np
 import ray
 from ray import serve
 
-from engine.cached_decoder import CachedDecoder
+from engine.model.cached_decoder import CachedDecoder
 from engine.options import EngineConfig
-from engine.target_worker import PrefillItem, TargetResult, TargetWorker, VerifyItem
+from engine.sched.target_worker import PrefillItem, TargetResult, TargetWorker, VerifyItem
 
 log = logging.getLogger("specserve.target")
 KV_MANAGER = "kv_manager"

@@ -9,10 +9,10 @@ from typing import Hashable, Sequence
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
-from engine.block_ledger import AdmissionError, Grant
-from engine.coordinator import TargetUnavailableError
-from engine.proposer_worker import ProposeItem, ProposeResult
-from engine.target_worker import PrefillItem, TargetResult, VerifyItem
+from engine.kv.block_ledger import AdmissionError, Grant
+from engine.sched.coordinator import TargetUnavailableError
+from engine.sched.proposer_worker import ProposeItem, ProposeResult
+from engine.sched.target_worker import PrefillItem, TargetResult, VerifyItem
 
 from .affinity import REPLICA_HINT
 

@@ -3,13 +3,13 @@
 Pure Python + numpy + onnxruntime. ``deployments/`` adapts these parts to Ray Serve;
 nothing here may import Ray.
 """
-from .cached_decoder import CachedDecoder
-from .engine import Engine, GenerationResult
-from .errors import EngineError, InvalidRequestError, ModelLoadError, PromptTooLongError
-from .kv_cache import KVCacheCapacityError, PagedKVCache
-from .options import EngineConfig, GenerationOptions, SpeculativeConfig
-from .sequence import TokenEvent
-from .stats import SpeculativeStats
+from engine.model.cached_decoder import CachedDecoder
+from engine.api import Engine, GenerationResult
+from engine.errors import EngineError, InvalidRequestError, ModelLoadError, PromptTooLongError
+from engine.kv.paged_cache import KVCacheCapacityError, PagedKVCache
+from engine.options import EngineConfig, GenerationOptions, SpeculativeConfig
+from engine.spec.sequence import TokenEvent
+from engine.spec.stats import SpeculativeStats
 
 __all__ = ["CachedDecoder", "Engine", "EngineConfig", "EngineError", "GenerationOptions", "GenerationResult",
            "InvalidRequestError", "KVCacheCapacityError", "ModelLoadError", "PagedKVCache", "PromptTooLongError",

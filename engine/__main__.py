@@ -7,10 +7,10 @@ import sys
 
 from pydantic import ValidationError
 
-from .errors import EngineError
-from .engine import Engine
-from .options import SPECULATIVE_MODES, EngineConfig, GenerationOptions, SpeculativeConfig
-from .sequence import TokenEvent
+from engine.errors import EngineError
+from engine.api import Engine
+from engine.options import SPECULATIVE_MODES, EngineConfig, GenerationOptions, SpeculativeConfig
+from engine.spec.sequence import TokenEvent
 
 
 def build_parser() -> argparse.ArgumentParser:

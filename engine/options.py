@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .providers import Device
+from engine.model.providers import Device
 
 SpeculativeMode = Literal["none", "prompt_lookup", "draft_model", "mtp", "eagle3", "shared_kv"]
 SPECULATIVE_MODES: tuple[str, ...] = SpeculativeMode.__args__

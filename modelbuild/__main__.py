@@ -19,7 +19,7 @@ import onnxruntime as ort
 import torch
 from safetensors.torch import load_file
 
-from engine.manifest import (Architecture, ArrayEntry, BundleManifest, CorpusRecord, HiddenOutputs,
+from engine.model.manifest import (Architecture, ArrayEntry, BundleManifest, CorpusRecord, HiddenOutputs,
                              ModelEntry, TrainingRecord)
 
 from .corpus import load_corpus

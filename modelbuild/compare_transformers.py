@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from transformers import LlamaForCausalLM
 
-from engine.onnx_model import OnnxDecoder
-from engine.tokenizer import TextTokenizer
+from engine.model.onnx_model import OnnxDecoder
+from engine.model.tokenizer import TextTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from engine import Engine, EngineConfig, GenerationOptions, KVCacheCapacityError
-from engine.cached_decoder import FeedRequest
-from engine.rounds import SequenceRounds
+from engine.model.cached_decoder import FeedRequest
+from engine.spec.rounds import SequenceRounds
 
 from .conftest import CPU_CONFIG, MODELS
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.manifest import BundleManifest
-from engine.onnx_model import OnnxDecoder
-from engine.tokenizer import TextTokenizer
+from engine.model.manifest import BundleManifest
+from engine.model.onnx_model import OnnxDecoder
+from engine.model.tokenizer import TextTokenizer
 
 from .conftest import MODELS, ROOT
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from engine import Engine, EngineConfig, GenerationOptions, KVCacheCapacityError, PromptTooLongError
-from engine.sequence import TokenEvent
+from engine.spec.sequence import TokenEvent
 
 from .conftest import TARGET_DIR
 

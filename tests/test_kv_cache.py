@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.kv_cache import (
+from engine.kv.paged_cache import (
     KVCacheCapacityError,
     KVCacheError,
     LayerGeometry,

@@ -15,10 +15,10 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from engine import providers
+from engine.model import providers
 from engine.errors import ModelLoadError
-from engine.cached_decoder import CachedDecoder
-from engine.onnx_model import OnnxDecoder
+from engine.model.cached_decoder import CachedDecoder
+from engine.model.onnx_model import OnnxDecoder
 
 from .conftest import CPU_CONFIG, DRAFT_DIR, TARGET_DIR
 

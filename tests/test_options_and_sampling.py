@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from engine import EngineConfig, GenerationOptions
-from engine.sampling import apply_repetition_penalty, sample, token_distribution
+from engine.spec.sampling import apply_repetition_penalty, sample, token_distribution
 
 
 @pytest.mark.parametrize("fields, named", [

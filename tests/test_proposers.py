@@ -5,16 +5,16 @@ import numpy as np
 import pytest
 
 from engine import GenerationOptions
-from engine.heads import load_head
-from engine.kv_cache import LayerGeometry, PagedKVCache
-from engine.proposers.base import AcceptContext, Proposal, ProposerContext, StatelessProposer
-from engine.proposers.eagle3 import Eagle3Proposer
-from engine.proposers.mtp import MtpProposer
-from engine.proposers.prompt_lookup import PromptLookupProposer
-from engine.proposers.shared_kv import SharedKvProposer, shared_kv_slices
-from engine.rounds import decode
-from engine.sequence import SequenceState
-from engine.stats import SpeculativeStats
+from engine.model.heads import load_head
+from engine.kv.paged_cache import LayerGeometry, PagedKVCache
+from engine.spec.proposers.base import AcceptContext, Proposal, ProposerContext, StatelessProposer
+from engine.spec.proposers.eagle3 import Eagle3Proposer
+from engine.spec.proposers.mtp import MtpProposer
+from engine.spec.proposers.prompt_lookup import PromptLookupProposer
+from engine.spec.proposers.shared_kv import SharedKvProposer, shared_kv_slices
+from engine.spec.rounds import decode
+from engine.spec.sequence import SequenceState
+from engine.spec.stats import SpeculativeStats
 
 from .conftest import MODELS
 
@@ -172,9 +172,9 @@ def test_round_loop_drives_any_proposer_and_reports_acceptance(bundle_engine, he
 
 
 def test_a_full_draft_pool_means_no_drafts_not_a_failed_request(bundle_engine, heldout_prompts):
-    from engine.cached_decoder import CachedDecoder
+    from engine.model.cached_decoder import CachedDecoder
     from engine.options import EngineConfig
-    from engine.proposers.draft_model import DraftModelProposer
+    from engine.spec.proposers.draft_model import DraftModelProposer
 
     tiny_draft = CachedDecoder(MODELS / "draft", EngineConfig(device="cpu", kv_num_blocks=2, kv_block_size=16))
     target = bundle_engine.target

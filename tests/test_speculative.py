@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from engine import GenerationOptions, InvalidRequestError
-from engine.manifest import BundleManifest
+from engine.model.manifest import BundleManifest
 
 from .conftest import MODELS
 

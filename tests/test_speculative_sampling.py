@@ -21,15 +21,15 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from tokenizers import Tokenizer, models
 
-import engine.rounds as rounds
+import engine.spec.rounds as rounds
 from engine import GenerationOptions
-from engine.cached_decoder import CachedDecoder
+from engine.model.cached_decoder import CachedDecoder
 from engine.options import EngineConfig
-from engine.proposers.draft_model import DraftModelProposer
-from engine.sequence import SequenceState
-from engine.stats import SpeculativeStats
-from engine.verify import Verdict
-from engine.sampling import sample, token_distribution
+from engine.spec.proposers.draft_model import DraftModelProposer
+from engine.spec.sequence import SequenceState
+from engine.spec.stats import SpeculativeStats
+from engine.spec.verify import Verdict
+from engine.spec.sampling import sample, token_distribution
 
 VOCAB = 4
 NEW_TOKENS = 4

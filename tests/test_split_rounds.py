@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 
 from engine import GenerationOptions
-from engine.block_ledger import AdmissionError, BlockLedger
-from engine.cached_decoder import CachedDecoder
-from engine.coordinator import RoundCoordinator
+from engine.kv.block_ledger import AdmissionError, BlockLedger
+from engine.model.cached_decoder import CachedDecoder
+from engine.sched.coordinator import RoundCoordinator
 from engine.errors import InvalidRequestError
-from engine.local_transport import LocalTransport
-from engine.proposer_loading import load_proposer_factory
-from engine.proposer_worker import ProposerWorker
-from engine.proposers.base import Needs
-from engine.sequence_driver import DriverFactory
-from engine.target_worker import TargetWorker
+from engine.sched.local_transport import LocalTransport
+from engine.spec.proposers.registry import load_proposer_factory
+from engine.sched.proposer_worker import ProposerWorker
+from engine.spec.proposers.base import Needs
+from engine.sched.sequence_driver import DriverFactory
+from engine.sched.target_worker import TargetWorker
 
 from .conftest import CPU_CONFIG, MODELS
 

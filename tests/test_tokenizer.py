@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from engine.errors import ModelLoadError
-from engine.tokenizer import TextTokenizer
+from engine.model.tokenizer import TextTokenizer
 
 from .conftest import TARGET_DIR
 

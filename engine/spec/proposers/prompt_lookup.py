@@ -1,7 +1,7 @@
 """Model-free prompt lookup (n-gram copy), as the seed's ``NgramProposer``."""
 from __future__ import annotations
 
-from .base import Proposal, ProposerContext, StatelessProposer
+from engine.spec.proposers.base import Proposal, ProposerContext, StatelessProposer
 
 
 class PromptLookupProposer(StatelessProposer):

@@ -7,7 +7,7 @@ from typing import Sequence
 
 from tokenizers import Tokenizer
 
-from .errors import InvalidRequestError, ModelLoadError, PromptTooLongError
+from engine.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 
 REPLACEMENT_CHAR = "\ufffd"
 

@@ -12,7 +12,7 @@ from typing import Literal
 
 import onnxruntime as ort
 
-from .errors import ModelLoadError
+from engine.errors import ModelLoadError
 
 Device = Literal["auto", "cpu", "cuda"]
 log = logging.getLogger("specserve.engine")

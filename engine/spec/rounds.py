@@ -28,15 +28,15 @@ from typing import Hashable
 
 import numpy as np
 
-from .cached_decoder import CachedDecoder, FeedRequest, SequenceOutput
-from .errors import EngineError
-from .proposers.base import AcceptContext, Needs, Proposer, ProposerContext, SharedKvSlice
-from .proposers.shared_kv import shared_kv_slices
-from .options import GenerationOptions
-from .sampling import TokenLogprob, token_logprob
-from .sequence import SequenceState
-from .stats import SpeculativeStats
-from .verify import verify
+from engine.model.cached_decoder import CachedDecoder, FeedRequest, SequenceOutput
+from engine.errors import EngineError
+from engine.spec.proposers.base import AcceptContext, Needs, Proposer, ProposerContext, SharedKvSlice
+from engine.spec.proposers.shared_kv import shared_kv_slices
+from engine.options import GenerationOptions
+from engine.spec.sampling import TokenLogprob, token_logprob
+from engine.spec.sequence import SequenceState
+from engine.spec.stats import SpeculativeStats
+from engine.spec.verify import verify
 
 
 NO_NEEDS = Needs()  # target-only decoding and model-free proposers take nothing from the target

@@ -18,10 +18,10 @@ from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
-from .errors import EngineError
-from .options import GenerationOptions
-from .proposers.base import AcceptContext, Proposal, Proposer, ProposerContext
-from .rounds import Anchor, proposer_context
+from engine.errors import EngineError
+from engine.options import GenerationOptions
+from engine.spec.proposers.base import AcceptContext, Proposal, Proposer, ProposerContext
+from engine.spec.rounds import Anchor, proposer_context
 
 
 @dataclass(frozen=True)

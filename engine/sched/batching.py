@@ -16,9 +16,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .cached_decoder import CachedDecoder
-from .kv_cache import KVCacheCapacityError
-from .rounds import SequenceRounds
+from engine.model.cached_decoder import CachedDecoder
+from engine.kv.paged_cache import KVCacheCapacityError
+from engine.spec.rounds import SequenceRounds
 
 log = logging.getLogger("specserve.engine")
 

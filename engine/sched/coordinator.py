@@ -20,11 +20,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Hashable, Protocol, Sequence
 
-from .block_ledger import Grant
-from .errors import EngineError
-from .proposer_worker import ProposeItem, ProposeResult
-from .sequence_driver import SequenceDriver
-from .target_worker import PrefillItem, TargetResult, VerifyItem
+from engine.kv.block_ledger import Grant
+from engine.errors import EngineError
+from engine.sched.proposer_worker import ProposeItem, ProposeResult
+from engine.sched.sequence_driver import SequenceDriver
+from engine.sched.target_worker import PrefillItem, TargetResult, VerifyItem
 
 log = logging.getLogger("specserve.coordinator")
 

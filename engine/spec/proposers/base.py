@@ -17,7 +17,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from ..options import GenerationOptions
+from engine.options import GenerationOptions
 
 
 @dataclass(frozen=True)

@@ -17,22 +17,22 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .batching import BatchEngineLoop, BatchScheduler, Job
-from .cached_decoder import CachedDecoder
-from .errors import InvalidRequestError, ModelLoadError
-from .heads import HeadModel
-from .manifest import MANIFEST_NAME, BundleManifest
-from .options import SPECULATIVE_MODES, EngineConfig, GenerationOptions
-from .proposer_loading import (HEAD_MODES, MODEL_MODES, head_needs, head_proposer_factory, load_draft,
+from engine.sched.batching import BatchEngineLoop, BatchScheduler, Job
+from engine.model.cached_decoder import CachedDecoder
+from engine.errors import InvalidRequestError, ModelLoadError
+from engine.model.heads import HeadModel
+from engine.model.manifest import MANIFEST_NAME, BundleManifest
+from engine.options import SPECULATIVE_MODES, EngineConfig, GenerationOptions
+from engine.spec.proposers.registry import (HEAD_MODES, MODEL_MODES, head_needs, head_proposer_factory, load_draft,
                                load_head_model)
-from .proposers.base import Needs, Proposer
-from .proposers.draft_model import DraftModelProposer
-from .proposers.prompt_lookup import PromptLookupProposer
-from .rounds import NO_NEEDS, SequenceRounds
-from .sampling import TokenLogprob
-from .sequence import FinishReason, SequenceState, TokenCallback
-from .stats import SpeculativeStats
-from .tokenizer import TextTokenizer
+from engine.spec.proposers.base import Needs, Proposer
+from engine.spec.proposers.draft_model import DraftModelProposer
+from engine.spec.proposers.prompt_lookup import PromptLookupProposer
+from engine.spec.rounds import NO_NEEDS, SequenceRounds
+from engine.spec.sampling import TokenLogprob
+from engine.spec.sequence import FinishReason, SequenceState, TokenCallback
+from engine.spec.stats import SpeculativeStats
+from engine.model.tokenizer import TextTokenizer
 
 # A verify pass lets draft i see window + i keys and evicts before rejected drafts are
 # rewound, so speculation under a sliding window could change the output: refuse it.

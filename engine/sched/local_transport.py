@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Hashable, Sequence
 
-from .block_ledger import AdmissionError, BlockLedger, Grant
-from .errors import EngineError
-from .proposer_worker import ProposeItem, ProposeResult, ProposerWorker
-from .target_worker import PrefillItem, TargetResult, TargetWorker, VerifyItem
+from engine.kv.block_ledger import AdmissionError, BlockLedger, Grant
+from engine.errors import EngineError
+from engine.sched.proposer_worker import ProposeItem, ProposeResult, ProposerWorker
+from engine.sched.target_worker import PrefillItem, TargetResult, TargetWorker, VerifyItem
 
 LOCAL_REPLICA = "local"
 

@@ -15,16 +15,16 @@ from __future__ import annotations
 
 from typing import Any, Hashable, NamedTuple, Sequence
 
-from .errors import InvalidRequestError
-from .options import SPECULATIVE_MODES, GenerationOptions, SpeculativeConfig
-from .proposer_worker import ProposeItem, ProposeResult
-from .proposers.prompt_lookup import PromptLookupProposer
-from .proposers.base import AcceptContext, Needs, Proposer
-from .rounds import Anchor, RoundOutcome, commit_outcome, draft_width, proposer_context, record_round
-from .sequence import SequenceState, TokenCallback
-from .stats import SpeculativeStats
-from .target_worker import PrefillItem, VerifyItem
-from .tokenizer import TextTokenizer, encode_prompt
+from engine.errors import InvalidRequestError
+from engine.options import SPECULATIVE_MODES, GenerationOptions, SpeculativeConfig
+from engine.sched.proposer_worker import ProposeItem, ProposeResult
+from engine.spec.proposers.prompt_lookup import PromptLookupProposer
+from engine.spec.proposers.base import AcceptContext, Needs, Proposer
+from engine.spec.rounds import Anchor, RoundOutcome, commit_outcome, draft_width, proposer_context, record_round
+from engine.spec.sequence import SequenceState, TokenCallback
+from engine.spec.stats import SpeculativeStats
+from engine.sched.target_worker import PrefillItem, VerifyItem
+from engine.model.tokenizer import TextTokenizer, encode_prompt
 
 
 class VerifiedRound(NamedTuple):

@@ -9,10 +9,10 @@ from typing import Sequence
 
 import numpy as np
 
-from ..cached_decoder import CachedDecoder
-from ..kv_cache import KVCacheCapacityError
-from ..sampling import processed_logits, sample, token_distribution
-from .base import AcceptContext, Proposal, ProposerContext
+from engine.model.cached_decoder import CachedDecoder
+from engine.kv.paged_cache import KVCacheCapacityError
+from engine.spec.sampling import processed_logits, sample, token_distribution
+from engine.spec.proposers.base import AcceptContext, Proposal, ProposerContext
 
 _sequence_ids = itertools.count()
 

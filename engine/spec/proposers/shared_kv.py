@@ -9,10 +9,10 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import InvalidRequestError, ModelLoadError
-from ..heads import HeadModel
-from ..kv_cache import PagedKVCache
-from .base import Proposal, ProposerContext, SharedKvSlice, StatelessProposer
+from engine.errors import InvalidRequestError, ModelLoadError
+from engine.model.heads import HeadModel
+from engine.kv.paged_cache import PagedKVCache
+from engine.spec.proposers.base import Proposal, ProposerContext, SharedKvSlice, StatelessProposer
 
 
 def shared_kv_slices(cache: PagedKVCache, seq_id, groups: dict[str, int]) -> tuple[SharedKvSlice, ...]:

@@ -7,9 +7,9 @@ from typing import Literal, Sequence
 
 import numpy as np
 
-from ..errors import InvalidRequestError, ModelLoadError
-from ..heads import HeadModel
-from .base import AcceptContext, Proposal, ProposerContext
+from engine.errors import InvalidRequestError, ModelLoadError
+from engine.model.heads import HeadModel
+from engine.spec.proposers.base import AcceptContext, Proposal, ProposerContext
 
 MtpKvMode = Literal["hidden_threaded", "cached"]
 

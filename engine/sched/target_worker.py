@@ -20,12 +20,12 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
-from .cached_decoder import CachedDecoder, FeedRequest
-from .errors import EngineError
-from .options import GenerationOptions
-from .proposers.base import Needs
-from .proposers.shared_kv import shared_kv_slices
-from .rounds import Anchor, RoundOutcome, verify_on_target
+from engine.model.cached_decoder import CachedDecoder, FeedRequest
+from engine.errors import EngineError
+from engine.options import GenerationOptions
+from engine.spec.proposers.base import Needs
+from engine.spec.proposers.shared_kv import shared_kv_slices
+from engine.spec.rounds import Anchor, RoundOutcome, verify_on_target
 
 log = logging.getLogger("specserve.target")
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
-from .options import GenerationOptions
-from .sampling import TokenLogprob
-from .tokenizer import TextTokenizer
+from engine.options import GenerationOptions
+from engine.spec.sampling import TokenLogprob
+from engine.model.tokenizer import TextTokenizer
 
 FinishReason = Literal["stop", "length"]
 

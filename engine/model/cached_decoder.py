@@ -11,11 +11,11 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from .errors import ModelLoadError
-from .kv_cache import KVCacheCapacityError, PagedKVCache
-from .onnx_model import OnnxDecoder
-from .options import EngineConfig
-from .tokenizer import TextTokenizer, encode_prompt
+from engine.errors import ModelLoadError
+from engine.kv.paged_cache import KVCacheCapacityError, PagedKVCache
+from engine.model.onnx_model import OnnxDecoder
+from engine.options import EngineConfig
+from engine.model.tokenizer import TextTokenizer, encode_prompt
 
 
 @dataclass(frozen=True)

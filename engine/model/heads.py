@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ModelLoadError
-from .kv_cache import LayerGeometry
-from .providers import Device, create_session, session_options
+from engine.errors import ModelLoadError
+from engine.kv.paged_cache import LayerGeometry
+from engine.model.providers import Device, create_session, session_options
 
 
 class TokenEmbedder:

@@ -6,16 +6,16 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from .cached_decoder import CachedDecoder
-from .errors import ModelLoadError
-from .heads import HeadModel, load_head
-from .manifest import BundleManifest
-from .options import EngineConfig
-from .proposers.base import Needs, Proposer
-from .proposers.draft_model import DraftModelProposer
-from .proposers.eagle3 import Eagle3Proposer
-from .proposers.mtp import MtpProposer
-from .proposers.shared_kv import SharedKvProposer
+from engine.model.cached_decoder import CachedDecoder
+from engine.errors import ModelLoadError
+from engine.model.heads import HeadModel, load_head
+from engine.model.manifest import BundleManifest
+from engine.options import EngineConfig
+from engine.spec.proposers.base import Needs, Proposer
+from engine.spec.proposers.draft_model import DraftModelProposer
+from engine.spec.proposers.eagle3 import Eagle3Proposer
+from engine.spec.proposers.mtp import MtpProposer
+from engine.spec.proposers.shared_kv import SharedKvProposer
 
 HEAD_MODES = ("mtp", "eagle3", "shared_kv")
 MODEL_MODES = ("draft_model", *HEAD_MODES)  # modes that need a model besides the target

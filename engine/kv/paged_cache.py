@@ -23,7 +23,7 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from .errors import EngineError
+from engine.errors import EngineError
 
 __all__ = [
     "KVCacheCapacityError",

@@ -7,9 +7,9 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import InvalidRequestError
-from ..heads import HeadModel
-from .base import AcceptContext, Proposal, ProposerContext
+from engine.errors import InvalidRequestError
+from engine.model.heads import HeadModel
+from engine.spec.proposers.base import AcceptContext, Proposal, ProposerContext
 
 
 class Eagle3Proposer:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
-from .kv_cache import KVCacheCapacityError
+from engine.kv.paged_cache import KVCacheCapacityError
 
 
 class AdmissionError(KVCacheCapacityError):

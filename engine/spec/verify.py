@@ -16,8 +16,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .options import GenerationOptions
-from .sampling import processed_logits, sample, token_distribution
+from engine.options import GenerationOptions
+from engine.spec.sampling import processed_logits, sample, token_distribution
 
 
 @dataclass(frozen=True)
