@@ -1,16 +1,26 @@
 """specserve engine: Ray-free, in-process ONNX decoding (also the embedded mode).
 
-Pure Python + numpy + onnxruntime. ``deployments/`` adapts these parts to Ray Serve;
-nothing here may import Ray.
+Pure Python + numpy + onnxruntime; nothing here may import Ray. Layout:
+
+- ``model/``  ONNX runner, providers, cached decoder, heads, tokenizer, chat template, bundle
+- ``kv/``     paged KV cache, block ledger, admission
+- ``spec/``   the reference loop (read ``spec/reference.py`` first), verification, sampling,
+              the commit path, stats, and the proposers with their registry
+- ``sched/``  the scheduler both transports share: coordinator, sequence driver, target
+              and proposer workers, local transport
+- ``api.py``  ``Engine``: the coordinator over the local transport
+
+``deployments/`` runs the same scheduler across Ray Serve processes.
 """
-from engine.model.cached_decoder import CachedDecoder
 from engine.api import Engine, GenerationResult
+from engine.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.errors import EngineError, InvalidRequestError, ModelLoadError, PromptTooLongError
 from engine.kv.paged_cache import KVCacheCapacityError, PagedKVCache
-from engine.options import EngineConfig, GenerationOptions, SpeculativeConfig
+from engine.model.cached_decoder import CachedDecoder
+from engine.options import GenerationOptions
 from engine.spec.sequence import TokenEvent
 from engine.spec.stats import SpeculativeStats
 
 __all__ = ["CachedDecoder", "Engine", "EngineConfig", "EngineError", "GenerationOptions", "GenerationResult",
            "InvalidRequestError", "KVCacheCapacityError", "ModelLoadError", "PagedKVCache", "PromptTooLongError",
-           "SpeculativeConfig", "SpeculativeStats", "TokenEvent"]
+           "SchedulerConfig", "SpeculativeConfig", "SpeculativeStats", "TokenEvent"]

@@ -7,9 +7,10 @@ import sys
 
 from pydantic import ValidationError
 
-from engine.errors import EngineError
 from engine.api import Engine
-from engine.options import SPECULATIVE_MODES, EngineConfig, GenerationOptions, SpeculativeConfig
+from engine.config import EngineConfig, SpeculativeConfig
+from engine.errors import EngineError
+from engine.options import SPECULATIVE_MODES, GenerationOptions
 from engine.spec.sequence import TokenEvent
 
 

@@ -1,43 +1,41 @@
-"""The in-process engine: one target, the proposers the bundle provides, ``generate``.
+"""The in-process engine: the round coordinator over a local transport.
 
 ``Engine("models")`` (a bundle with ``manifest.json``) or ``Engine("models/target")``
 (a model directory; its parent's manifest, if any, names the draft and heads).
-Every request runs the same rounds (``rounds.SequenceRounds``) through the continuous
-batching scheduler; ``mode="none"`` is plain target-only decoding, the reference every
-other mode must reproduce.
+
+This is the embedded mode of the very scheduler the server runs (vLLM's in-process
+client of one engine core): ``RoundCoordinator`` admits, batches and retires requests;
+``LocalTransport`` hands its messages to a ``TargetWorker`` and ``ProposerWorker``s by
+function call. The coordinator's loop lives on a background asyncio thread, so
+``generate`` is synchronous and thread-safe, and concurrent callers share its batches.
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
-import numpy as np
-
-from engine.sched.batching import BatchEngineLoop, BatchScheduler, Job
+from engine.config import EngineConfig
+from engine.errors import ModelLoadError
+from engine.model.bundle import resolve_model_path
 from engine.model.cached_decoder import CachedDecoder
-from engine.errors import InvalidRequestError, ModelLoadError
-from engine.model.heads import HeadModel
-from engine.model.manifest import MANIFEST_NAME, BundleManifest
-from engine.options import SPECULATIVE_MODES, EngineConfig, GenerationOptions
-from engine.spec.proposers.registry import (HEAD_MODES, MODEL_MODES, head_needs, head_proposer_factory, load_draft,
-                               load_head_model)
-from engine.spec.proposers.base import Needs, Proposer
-from engine.spec.proposers.draft_model import DraftModelProposer
-from engine.spec.proposers.prompt_lookup import PromptLookupProposer
-from engine.spec.rounds import NO_NEEDS, SequenceRounds
-from engine.spec.sampling import TokenLogprob
-from engine.spec.sequence import FinishReason, SequenceState, TokenCallback
-from engine.spec.stats import SpeculativeStats
 from engine.model.tokenizer import TextTokenizer
-
-# A verify pass lets draft i see window + i keys and evicts before rejected drafts are
-# rewound, so speculation under a sliding window could change the output: refuse it.
-_WINDOW_REFUSAL = ("speculative decoding needs a full-attention KV cache to stay lossless; this engine has "
-                   "sliding_window set, so only speculative_mode 'none' is available")
+from engine.options import GenerationOptions
+from engine.sched.coordinator import RoundCoordinator
+from engine.sched.local_transport import LocalTransport
+from engine.sched.metrics import RoundMetrics
+from engine.sched.proposer_worker import ProposerWorker
+from engine.sched.sequence_driver import DriverFactory, SequenceDriver
+from engine.sched.target_worker import TargetWorker
+from engine.spec.proposers.base import Needs
+from engine.spec.proposers.registry import PROPOSER_KINDS, LoadedProposer, provided_modes
+from engine.spec.sampling import TokenLogprob
+from engine.spec.sequence import FinishReason, TokenCallback, TokenEvent
+from engine.spec.stats import SpeculativeStats
 
 
 @dataclass
@@ -47,8 +45,8 @@ class GenerationResult:
     finish_reason: FinishReason
     prompt_tokens: int
     logprobs: list[TokenLogprob] | None
-    prefill_seconds: float
-    decode_seconds: float
+    prefill_seconds: float   # from submission to the first token (admission wait included)
+    decode_seconds: float    # from the first token to the last
     speculative: SpeculativeStats = field(default_factory=SpeculativeStats)
 
     @property
@@ -61,140 +59,124 @@ class GenerationResult:
         return self.completion_tokens / total if total > 0 else 0.0
 
 
-def _resolve_bundle(path: Path) -> tuple[Path, Path | None, BundleManifest | None]:
-    """(target dir, bundle dir, manifest) for a bundle dir or a model dir inside one."""
-    if (path / MANIFEST_NAME).is_file():
-        manifest = BundleManifest.load(path)
-        return path / manifest.models["target"].directory, path, manifest
-    if (path.parent / MANIFEST_NAME).is_file():
-        manifest = BundleManifest.load(path.parent)
-        if manifest.models.get("target") and (path.parent / manifest.models["target"].directory).resolve() == path.resolve():
-            return path, path.parent, manifest
-    return path, None, None
-
-
 class Engine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
-        self.config = config or EngineConfig()
-        target_dir, self.bundle_dir, self.manifest = _resolve_bundle(Path(model_dir))
-        self.target = CachedDecoder(target_dir, self.config)
-        self.draft: CachedDecoder | None = None
-        self.heads: dict[str, HeadModel] = {}
-        self._factories: dict[str, Callable[[int], Proposer | None]] = {
-            "none": lambda k: None,
-            "prompt_lookup": lambda k: PromptLookupProposer(self.config.speculative.prompt_lookup_ngram, k),
-        }
-        self.needs: dict[str, Needs] = {}  # what each head mode takes from the target
-        self._load_proposers()
-        default = self.config.speculative.default_mode
-        if default not in self._factories:
-            raise ModelLoadError(f"default speculative mode '{default}' is not available "
-                                 f"(loaded: {', '.join(self.available_modes)})")
-        if default != "none" and self.config.sliding_window is not None:
-            raise ModelLoadError(_WINDOW_REFUSAL)
+        self.config = config = config or EngineConfig()
+        target_dir, self.bundle = resolve_model_path(Path(model_dir))
+        self.target = CachedDecoder(target_dir, config, owns_cores=True)
+        self.proposers: dict[str, LoadedProposer] = self._load_proposers()
+        outputs = set(self.target.decoder.io.extra_outputs)
+        self.needs: dict[str, Needs] = {mode: PROPOSER_KINDS[mode].needs(self.bundle, outputs)
+                                        for mode in self.proposers}
+        self.factory = DriverFactory(self.target.tokenizer, self.target.eos_token_ids, self.target.max_context,
+                                     self.target.decoder.vocab_size, config, self.needs)
+        self.metrics = RoundMetrics()
+        workers = {mode: ProposerWorker(loaded, self.metrics) for mode, loaded in self.proposers.items()}
+        self.transport = LocalTransport(TargetWorker(self.target), workers, config.scheduler.admission_timeout_s)
+        self.coordinator = RoundCoordinator(self.transport, config.scheduler, self.metrics)
         self.cumulative_stats: dict[str, SpeculativeStats] = {}
-        self._seq_ids = itertools.count()
+        self._ids = itertools.count()
         self._lock = threading.Lock()
-        self._loop: BatchEngineLoop | None = None  # started on first use
+        self._loop: asyncio.AbstractEventLoop | None = None  # started on first use
 
     # -- loading ---------------------------------------------------------------------------
-    def _wanted(self, mode: str) -> bool:
+    def _load_proposers(self) -> dict[str, LoadedProposer]:
         load = self.config.speculative.load
-        return load is None or mode in load
-
-    def _load_proposers(self) -> None:
-        load = self.config.speculative.load or ()
-        if self.manifest is None:
-            needs_bundle = [m for m in load if m in MODEL_MODES]
-            if needs_bundle:
-                raise ModelLoadError(f"speculative modes {needs_bundle} need a model bundle with {MANIFEST_NAME}; "
-                                     f"none found next to {self.target.decoder.model_dir}")
-            return
-        vocab = self.target.decoder.vocab_size
-        if self._wanted("draft_model") and "draft" in self.manifest.models:
-            self.draft = load_draft(self.bundle_dir, self.manifest, self.config, vocab)
-            self._factories["draft_model"] = lambda k: DraftModelProposer(self.draft)
-        final = self.manifest.models["target"].hidden_outputs.final
-        outputs = set(self.target.decoder.io.extra_outputs)
-        for kind in HEAD_MODES:
-            if kind not in self.manifest.heads or not self._wanted(kind):
-                continue
-            head = load_head_model(kind, self.bundle_dir, self.manifest, self.config, vocab)
-            self.needs[kind] = head_needs(kind, head.config, final, outputs)
-            self.heads[kind] = head
-            make = head_proposer_factory(kind, head, self.config)
-            self._factories[kind] = lambda k, make=make: make()
-        missing = [m for m in load if m not in self._factories]
+        available = provided_modes(self.bundle)
+        missing = [m for m in load or () if m not in available]
         if missing:
-            raise ModelLoadError(f"speculative modes {missing} requested but the bundle at {self.bundle_dir} "
-                                 f"does not provide them")
+            where = f"the bundle at {self.bundle.directory}" if self.bundle else \
+                f"{self.target.decoder.model_dir} (no manifest.json beside it)"
+            raise ModelLoadError(f"speculative modes {missing} requested but {where} does not provide them")
+        vocab = self.target.decoder.vocab_size
+        return {mode: PROPOSER_KINDS[mode].load(self.bundle, self.config, vocab) for mode in available
+                if mode != "none" and not PROPOSER_KINDS[mode].in_coordinator and (load is None or mode in load)}
 
-    # -- serving ---------------------------------------------------------------------------
+    @property
+    def draft(self) -> CachedDecoder | None:
+        """The draft model, if loaded (its KV pool is separate from the target's)."""
+        loaded = self.proposers.get("draft_model")
+        return loaded.model if loaded is not None else None
+
     @property
     def tokenizer(self) -> TextTokenizer:
         return self.target.tokenizer
 
     @property
     def available_modes(self) -> list[str]:
-        return [m for m in SPECULATIVE_MODES if m in self._factories]
+        return self.factory.modes
 
-    def resolve_mode(self, options: GenerationOptions) -> tuple[str, int]:
-        mode = options.speculative_mode or self.config.speculative.default_mode
-        if mode != "none" and self.config.sliding_window is not None:
-            raise InvalidRequestError(_WINDOW_REFUSAL)
-        if mode not in self._factories:
-            raise InvalidRequestError(f"speculative mode '{mode}' is not loaded in this engine "
-                                      f"(available: {', '.join(self.available_modes)})")
-        return mode, options.num_speculative_tokens or self.config.speculative.num_speculative_tokens
+    @property
+    def default_mode(self) -> str:
+        return self.factory.default_mode
 
+    # -- serving ---------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], options: GenerationOptions | None = None,
                  on_token: TokenCallback | None = None) -> GenerationResult:
         """Decode one request; concurrent calls from several threads are batched together.
 
-        ``on_token`` runs on the engine's batching thread: keep it short.
+        ``on_token`` runs on the engine's loop thread: keep it short. If it raises, the
+        request is cancelled (its KV blocks freed) and the exception re-raised here.
         """
         options = options or GenerationOptions()
-        mode, k = self.resolve_mode(options)
-        target = self.target
-        prompt_ids = target.encode_prompt(prompt)
-        state = SequenceState(prompt_ids, options, target.tokenizer, target.eos_token_ids, target.max_context, on_token)
-        stats = SpeculativeStats(mode=mode)
-
-        def start() -> SequenceRounds:
-            proposer = self._factories[mode](k)
-            seq_id = next(self._seq_ids)
-            try:
-                target.cache.add_sequence(seq_id)
-            except Exception:
-                if proposer is not None:
-                    proposer.close()
-                raise
-            return SequenceRounds(target, seq_id, state, proposer, k, np.random.default_rng(options.seed), stats,
-                                  self.needs.get(mode, NO_NEEDS))
-
-        def finish(rounds: SequenceRounds) -> None:
-            try:
-                target.cache.free(rounds.seq_id)
-            finally:
-                if rounds.proposer is not None:
-                    rounds.proposer.close()
-            with self._lock:
-                self.cumulative_stats.setdefault(mode, SpeculativeStats(mode=mode)).merge(stats)
-
-        job = Job(start, finish, prompt_len=len(prompt_ids))
+        driver, stamps = self._driver(prompt, options, on_token)
         started = time.perf_counter()
-        self._batch_loop().submit(job)
-        job.done.wait()
-        elapsed = time.perf_counter() - started
-        if job.error is not None:
-            raise job.error
-        prefill = job.rounds.prefill_seconds
-        return GenerationResult(text=state.text, token_ids=state.generated, finish_reason=state.finish_reason,
-                                prompt_tokens=state.prompt_len, logprobs=state.logprobs if options.logprobs else None,
-                                prefill_seconds=prefill, decode_seconds=elapsed - prefill, speculative=stats)
+        asyncio.run_coroutine_threadsafe(self._run(driver), self._event_loop()).result()
+        return self._result(driver, started, stamps)
 
-    def _batch_loop(self) -> BatchEngineLoop:
+    async def _run(self, driver: SequenceDriver) -> None:
+        try:
+            await self.coordinator.run(driver)
+        finally:
+            with self._lock:
+                self.cumulative_stats.setdefault(driver.mode, SpeculativeStats(mode=driver.mode)).merge(driver.stats)
+
+    def _driver(self, prompt, options: GenerationOptions,
+                on_token: TokenCallback | None) -> tuple[SequenceDriver, list[float]]:
+        stamps: list[float] = []  # when each token was committed
+
+        def stamped(event: TokenEvent) -> None:
+            stamps.append(time.perf_counter())
+            if on_token is not None:
+                on_token(event)
+
+        prompt_ids = self.factory.encode(prompt)
+        return self.factory.create(next(self._ids), prompt_ids, options, stamped), stamps
+
+    @staticmethod
+    def _result(driver: SequenceDriver, started: float, stamps: list[float]) -> GenerationResult:
+        state = driver.state
+        first, last = (stamps[0], stamps[-1]) if stamps else (started, started)
+        return GenerationResult(text=state.text, token_ids=state.generated, finish_reason=state.finish_reason,
+                                prompt_tokens=state.prompt_len,
+                                logprobs=state.logprobs if state.options.logprobs else None,
+                                prefill_seconds=first - started, decode_seconds=last - first,
+                                speculative=driver.stats)
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
         with self._lock:
             if self._loop is None:
-                self._loop = BatchEngineLoop(BatchScheduler(self.target, self.config.max_batch_size))
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="specserve-engine", daemon=True).start()
+                self._loop = loop
             return self._loop
+
+    def drain(self, timeout_s: float = 30.0) -> bool:
+        """Wait until retired requests' blocks are all back (the release rides on the next
+        tick); False on timeout. For tests and graceful shutdown."""
+        if self._loop is None:
+            return True
+        return asyncio.run_coroutine_threadsafe(self.coordinator.drain(timeout_s), self._loop).result()
+
+    def close(self) -> None:
+        """Stop the loop thread (requests still running fail). The engine is unusable after."""
+        with self._lock:
+            loop, self._loop = self._loop, None
+        if loop is not None:
+            loop.call_soon_threadsafe(loop.stop)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -139,15 +139,15 @@ class PagedKVCache:
         (the distributed KV manager). They leave the free list now; the sequence's appends
         use them in order and only them, and rewinds hand them back to the reservation, so
         its block table is always a prefix of the grant and other sequences can never
-        take them. Freeing the sequence returns them to the pool.
+        take them. Under a sliding window, blocks the window evicts go back to the grant too,
+        so a grant of the window's worst case suffices. Freeing the sequence returns them to
+        the pool.
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
         if reserved is None:
             self._seqs[seq_id] = _Seq()
             return
-        if self.sliding_window is not None:
-            raise ValueError("block reservations cannot be combined with a sliding window")
         reserved = [int(b) for b in reserved]
         free = set(self._free)
         taken = [b for b in reserved if b not in free]
@@ -278,9 +278,11 @@ class PagedKVCache:
         s = self._get(seq_id)
         keys, values, n = self._check_kv(keys, values)
         plan = self._plan_append(s, n)
-        if s.reserved is not None and len(plan.allocate) > len(s.reserved):
+        # A reserved sequence draws from its grant; blocks its own window eviction frees go
+        # back to the grant before the new ones are taken, so only the net count must fit.
+        if s.reserved is not None and plan.net_blocks > len(s.reserved):
             raise KVCacheCapacityError(
-                f"sequence {seq_id!r} needs {len(plan.allocate)} more block(s) to append {n} token(s) "
+                f"sequence {seq_id!r} needs {plan.net_blocks} more block(s) to append {n} token(s) "
                 f"but only {len(s.reserved)} of its reserved blocks are left")
         if s.reserved is None and plan.net_blocks > len(self._free):
             raise KVCacheCapacityError(

@@ -14,7 +14,8 @@ import numpy as np
 from engine.errors import ModelLoadError
 from engine.kv.paged_cache import KVCacheCapacityError, PagedKVCache
 from engine.model.onnx_model import OnnxDecoder
-from engine.options import EngineConfig
+from engine.config import EngineConfig
+from engine.model.probe import check_finite
 from engine.model.tokenizer import TextTokenizer, encode_prompt
 
 
@@ -34,10 +35,12 @@ class SequenceOutput:
 class CachedDecoder:
     """A decoder, its tokenizer and a paged KV cache sized for it, checked to agree."""
 
-    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, owns_cores: bool = True) -> None:
+        """``owns_cores``: the process runs only this engine (in-process) rather than one
+        Ray replica among several; it decides ``thread_spinning="auto"``."""
         self.config = config or EngineConfig()
         self.decoder = OnnxDecoder(model_dir, self.config.device, self.config.intra_op_threads,
-                                   thread_spinning=self.config.thread_spinning)
+                                   thread_spinning=self.config.spinning(owns_cores))
         self.tokenizer = TextTokenizer(model_dir)
         vocab = self.decoder.vocab_size
         if self.tokenizer.vocab_size > vocab:
@@ -113,6 +116,12 @@ class CachedDecoder:
             outputs.append(SequenceOutput(out.logits[i, : new_lens[i]],
                                           {name: value[i, : new_lens[i]] for name, value in out.extras.items()}))
         return outputs
+
+    def probe(self) -> None:
+        """Run the real session on one token (no past) and check the logits are finite."""
+        one = np.zeros((1, 1), np.int64)
+        out = self.decoder.forward(one, np.ones((1, 1), np.int64), one, self.decoder.empty_past())
+        check_finite([out.logits], f"model {self.decoder.model_dir}")
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, self.decoder.vocab_size, self.max_context)

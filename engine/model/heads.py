@@ -11,6 +11,7 @@ import numpy as np
 
 from engine.errors import ModelLoadError
 from engine.kv.paged_cache import LayerGeometry
+from engine.model.probe import probe_session
 from engine.model.providers import Device, create_session, session_options
 
 
@@ -73,6 +74,9 @@ class HeadModel:
             if arg.name == name:
                 return arg.shape
         raise ModelLoadError(f"{self.directory}: head has no input '{name}'")
+
+    def probe(self) -> None:
+        probe_session(self.session, f"{self.kind} head {self.directory}")
 
     def past_geometry(self) -> LayerGeometry:
         shape = self.input_shape("past_key_values.0.key")

@@ -7,9 +7,10 @@ comes back through each request's ``SequenceDriver``. Several lanes run concurre
 so one lane's proposer work overlaps another lane's target pass (the one thing a
 disaggregated design can do that a single-process engine cannot).
 
-The ``Transport`` is the only thing that differs between deployments: the Ray Serve
-router moves items through deployment handles and the object store; tests move them
-through plain function calls. The algorithm is the same object either way.
+The ``Transport`` is the only thing that differs between the two ways specserve runs:
+the in-process ``Engine`` moves items by plain function calls (``LocalTransport``), the
+Ray Serve router through its workers and the object store. The scheduler -- admission,
+batching, failure handling -- is this one object either way.
 """
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Hashable, Protocol, Sequence
 
-from engine.kv.block_ledger import Grant
+from engine.config import SchedulerConfig
 from engine.errors import EngineError
+from engine.kv.block_ledger import Grant
+from engine.sched.metrics import RoundMetrics
 from engine.sched.proposer_worker import ProposeItem, ProposeResult
 from engine.sched.sequence_driver import SequenceDriver
 from engine.sched.target_worker import PrefillItem, TargetResult, VerifyItem
@@ -38,22 +41,13 @@ class RequestFailedError(EngineError):
     """A request could not be completed; the message says why."""
 
 
-class RoundMetrics:
-    """Where a coordinator reports what it measures; the default records nothing. The
-    Ray Serve router plugs in Prometheus-backed metrics (``deployments/metrics.py``)."""
-
-    def draft_call(self, mode: str, seconds: float) -> None: ...
-
-    def verify_call(self, seconds: float) -> None: ...
-
-    def tick(self, seconds: float, active: int) -> None: ...
-
-    def verify_round(self, mode: str, drafts: int, accepted: int, committed: int) -> None: ...
-
-
 class Transport(Protocol):
-    async def admit(self, seq_id: Hashable, tokens: int, committed: Sequence[int],
-                    avoid: Sequence[str]) -> Grant: ...
+    # Whether calls can be in flight at once (remote workers): only then do several
+    # lanes overlap one lane's proposing with another's verifying.
+    concurrent: bool
+
+    async def admit(self, seq_id: Hashable, tokens: int, avoid: Sequence[str]) -> Grant:
+        """Reserve ``tokens`` of KV, waiting for room; raises ``AdmissionError``."""
 
     async def release(self, seq_id: Hashable) -> None: ...
 
@@ -70,11 +64,10 @@ class Transport(Protocol):
 @dataclass(eq=False)
 class _Run:
     driver: SequenceDriver
-    kv_tokens: int
     done: asyncio.Future
     grant: Grant | None = None
     proposer_replica: str | None = None
-    cancelled: bool = False
+    cancelled: bool = False       # set by ``follow`` when its caller goes away; honoured next tick
     readmitting: asyncio.Task | None = None
 
 
@@ -106,36 +99,43 @@ class TickTimings:
 
 
 class RoundCoordinator:
-    def __init__(self, transport: Transport, lanes: int = 2, max_batch: int = 32,
-                 metrics: RoundMetrics | None = None, proposer_timeout_s: float = 5.0,
-                 proposer_backoff_s: float = 1.0) -> None:
+    """Admission, batching and failure handling for every request, in-process or served.
+
+    Admission reserves each request's worst case (``SequenceDriver.kv_tokens``) before
+    its first round, waiting for room; a round can then never run out of KV, so there is
+    no preemption and no recomputation (README "One scheduler" says why).
+    A proposer that fails or stalls costs speed, never correctness: its sequences run
+    rounds without drafts for ``proposer_backoff_s``, then try again (a replacement
+    replica re-syncs from the whole context).
+    """
+
+    def __init__(self, transport: Transport, config: SchedulerConfig | None = None,
+                 metrics: RoundMetrics | None = None) -> None:
         self.transport = transport
+        self.config = config = config or SchedulerConfig()
         self.metrics = metrics or RoundMetrics()
-        # A proposer that fails or stalls costs speed, never correctness: its sequences run
-        # rounds without drafts for ``proposer_backoff_s``, then try again (a replacement
-        # replica re-syncs from the whole context).
-        self.proposer_timeout_s, self.proposer_backoff_s = proposer_timeout_s, proposer_backoff_s
+        self.proposer_timeout_s, self.proposer_backoff_s = config.proposer_timeout_s, config.proposer_backoff_s
         self._proposer_down_until: dict[str, float] = {}
         self._forgotten: set[str] = set()
         self._forgetting: asyncio.Future | None = None
-        self._lanes = [_Lane() for _ in range(max(1, lanes))]
-        self.max_batch = max_batch  # sequences one lane advances per tick; the rest wait their turn (FIFO)
+        self._lanes = [_Lane() for _ in range(config.lanes if transport.concurrent else 1)]
+        self.max_batch = config.max_batch_size  # per lane and tick; the rest wait their turn (FIFO)
         self.timings = TickTimings()
 
     @property
     def active(self) -> int:
         return sum(len(lane.runs) for lane in self._lanes)
 
-    async def run(self, driver: SequenceDriver, kv_tokens: int) -> None:
+    async def run(self, driver: SequenceDriver) -> None:
         """Admit the request and advance it until it finishes; raises on failure."""
-        await self.follow(await self.admit(driver, kv_tokens))
+        await self.follow(await self.admit(driver))
 
-    async def admit(self, driver: SequenceDriver, kv_tokens: int) -> "_Run":
+    async def admit(self, driver: SequenceDriver) -> "_Run":
         """Reserve the request's KV (waiting for room) and put it in a lane. Raises the
         admission error, so a server can answer 503 before it starts a stream."""
-        run = _Run(driver, kv_tokens, asyncio.get_running_loop().create_future())
+        run = _Run(driver, asyncio.get_running_loop().create_future())
         try:
-            run.grant = await self.transport.admit(driver.seq_id, kv_tokens, driver.state.tokens, [])
+            run.grant = await self.transport.admit(driver.seq_id, driver.kv_tokens, [])
         except asyncio.CancelledError:
             asyncio.ensure_future(self.transport.release(driver.seq_id))  # an admit may land after we left
             raise
@@ -155,11 +155,15 @@ class RoundCoordinator:
                 lane.wake.set()
             raise
 
-    async def drain(self, timeout_s: float = 30.0) -> None:
-        """Wait until every lane has sent its pending releases (tests, graceful shutdown)."""
+    async def drain(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every lane has sent its pending releases (tests, graceful shutdown);
+        False if that took longer than ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        while any(lane.has_work for lane in self._lanes) and time.monotonic() < deadline:
+        while any(lane.has_work for lane in self._lanes):
+            if time.monotonic() >= deadline:
+                return False
             await asyncio.sleep(0.005)
+        return True
 
     def _ensure_running(self, lane: _Lane) -> None:
         lane.wake.set()
@@ -206,7 +210,7 @@ class RoundCoordinator:
             self._take_target_results(lane, replica, runs, outcome)
         kv_releases, lane.kv_releases = lane.kv_releases, []
         if kv_releases:
-            await asyncio.gather(*(self.transport.release(s) for s in kv_releases), return_exceptions=True)
+            await self._release_all(kv_releases)
 
         for run in list(lane.runs):
             if run.driver.finished:
@@ -218,6 +222,16 @@ class RoundCoordinator:
         t.target_s += finished - propose_done
         t.tick_s += finished - started
         self.metrics.tick(finished - started, self.active)
+
+    async def _release_all(self, seq_ids: list[Hashable]) -> None:
+        """Give requests' blocks back to the ledger. A release that fails is logged and
+        counted, never dropped in silence: the blocks stay reserved until the ledger is
+        rebuilt (a restarted KV manager re-registers pools from their live sequences)."""
+        results = await asyncio.gather(*(self.transport.release(s) for s in seq_ids), return_exceptions=True)
+        for seq_id, result in zip(seq_ids, results):
+            if isinstance(result, BaseException):
+                log.warning("releasing the KV blocks of %s failed: %r", seq_id, result)
+                self.metrics.fault("ledger_release_failed")
 
     def _propose_calls(self, lane: _Lane, decoding: list[_Run]) -> dict:
         groups: dict[tuple[str, str | None], list[tuple[_Run, ProposeItem]]] = defaultdict(list)
@@ -255,6 +269,8 @@ class RoundCoordinator:
             # A proposer replica failed: these rounds go without drafts (still exact).
             log.warning("proposer %s (replica %s) failed: %r; rounds go without its drafts for %.1f s", mode,
                         replica, outcome, self.proposer_backoff_s)
+            self.metrics.fault("proposer_timeout" if isinstance(outcome, asyncio.TimeoutError)
+                               else "proposer_failed", mode)
             self._proposer_down_until[mode] = time.monotonic() + self.proposer_backoff_s
             for run in lane.runs:
                 if run.driver.mode == mode and run.proposer_replica == replica:
@@ -266,6 +282,7 @@ class RoundCoordinator:
             run.proposer_replica = served_by
             if result.error:
                 log.warning("proposer %s failed for %s: %s", mode, result.seq_id, result.error)
+                self.metrics.fault("proposer_failed", mode)
             run.driver.take_proposal(result)
 
     def _target_calls(self, lane: _Lane, prefilling: list[_Run], decoding: list[_Run]) -> dict:
@@ -335,10 +352,9 @@ class RoundCoordinator:
         async def readmit() -> None:
             if self._forgetting is not None:
                 await asyncio.gather(self._forgetting, return_exceptions=True)
-            await asyncio.gather(self.transport.release(run.driver.seq_id), return_exceptions=True)
+            await self._release_all([run.driver.seq_id])
             try:
-                grant = await self.transport.admit(run.driver.seq_id, run.kv_tokens, run.driver.state.tokens,
-                                                   [lost])
+                grant = await self.transport.admit(run.driver.seq_id, run.driver.kv_tokens, [lost])
             except Exception as exc:  # noqa: BLE001
                 self._retire(lane, run, RequestFailedError(f"could not move the request to a live target: {exc}"))
                 return

@@ -3,8 +3,8 @@
 The router sends, per sequence and per round, only what changed: the tokens committed
 since its last call (O(k)), how many drafts the target accepted, and the target anchor
 (hidden states, shared-KV slices). The worker keeps a mirror of each sequence's committed
-tokens and one proposer instance per sequence -- the same ``Proposer`` classes the
-in-process engine uses -- so a draft model keeps its own KV between rounds.
+tokens and one proposer instance per sequence, so a draft model keeps its own KV
+between rounds. The in-process engine and every proposer replica run this worker.
 
 A worker that does not know a sequence (it was routed to a fresh replica, or this one
 restarted) answers ``resync``: that round goes without drafts, which is always correct,
@@ -12,16 +12,21 @@ and the router sends the whole context next time.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Hashable, Sequence
 
 import numpy as np
 
 from engine.errors import EngineError
 from engine.options import GenerationOptions
+from engine.sched.metrics import RoundMetrics
 from engine.spec.proposers.base import AcceptContext, Proposal, Proposer, ProposerContext
+from engine.spec.proposers.registry import LoadedProposer
 from engine.spec.rounds import Anchor, proposer_context
+
+log = logging.getLogger("specserve.proposer")
 
 
 @dataclass(frozen=True)
@@ -30,7 +35,6 @@ class ProposeItem:
     width: int                  # drafts + 1 the round may commit
     since: int                  # index in the committed tokens where ``new_tokens`` start
     new_tokens: list[int]       # committed tokens the worker has not seen yet
-    prompt_len: int
     options: GenerationOptions | None  # sent with the whole context only (since == 0)
     accepted: int = -1          # drafts the target accepted last round (-1: no round yet)
     anchor: Any = None          # an ``Anchor``, or an object-store reference the transport resolves
@@ -57,9 +61,15 @@ class _Mirror:
 class ProposerWorker:
     """Per-sequence proposers and token mirrors for one proposer kind."""
 
-    def __init__(self, factory: Callable[[], Proposer], idle_timeout_s: float = 600.0) -> None:
-        self.factory, self.idle_timeout_s = factory, idle_timeout_s
+    def __init__(self, loaded: LoadedProposer, metrics: RoundMetrics | None = None,
+                 idle_timeout_s: float = 600.0) -> None:
+        self.loaded, self.mode, self.idle_timeout_s = loaded, loaded.mode, idle_timeout_s
+        self.metrics = metrics or RoundMetrics()
         self._seqs: dict[Hashable, _Mirror] = {}
+
+    def probe(self) -> None:
+        """Health probe: the real proposer model on a minimal input (raises if broken)."""
+        self.loaded.model.probe()
 
     @property
     def sequences(self) -> list[Hashable]:
@@ -78,9 +88,9 @@ class ProposerWorker:
                 if mirror is None:
                     results[item.seq_id] = ProposeResult(item.seq_id, [], resync=True)
                     continue
-                context = proposer_context(item.width, mirror.tokens, item.prompt_len, mirror.options,
-                                           item.anchor or Anchor(), mirror.rng)
-                if getattr(mirror.proposer, "batchable", False):
+                context = proposer_context(item.width, mirror.tokens, mirror.options, item.anchor or Anchor(),
+                                           mirror.rng)
+                if mirror.proposer.batchable:
                     batch.append((item, context, mirror))
                 else:
                     results[item.seq_id] = _result(item, mirror.proposer.propose(context))
@@ -91,8 +101,10 @@ class ProposerWorker:
                 proposals = batch[0][2].proposer.propose_batch([context for _, context, _ in batch])
                 results.update((item.seq_id, _result(item, p)) for (item, _, _), p in zip(batch, proposals))
                 batch = []
-            except Exception:  # noqa: BLE001 - find the sequence that broke the batch
-                pass
+            except Exception as exc:  # noqa: BLE001 - find the sequence that broke the batch
+                log.warning("%s: batched proposal for %d sequences failed (%r); retrying one by one", self.mode,
+                            len(batch), exc)
+                self.metrics.fault("propose_batch_failed", self.mode)
         for item, context, mirror in batch:
             try:
                 results[item.seq_id] = _result(item, mirror.proposer.propose(context))
@@ -119,7 +131,7 @@ class ProposerWorker:
                 raise ValueError("a proposer item with the whole context must carry the request's options")
             if mirror is None:
                 seed = item.options.seed
-                mirror = _Mirror(self.factory(), [], item.options,
+                mirror = _Mirror(self.loaded.new_proposer(), [], item.options,
                                  np.random.default_rng(None if seed is None else [seed, 1]), 0.0)
                 self._seqs[item.seq_id] = mirror
             else:

@@ -1,10 +1,9 @@
 """The coordinator's half of a round: one request's state between remote workers.
 
-Where the in-process ``SequenceRounds`` calls its proposer and target directly, a
-``SequenceDriver`` only builds the small messages for them (``PrefillItem``,
-``ProposeItem``, ``VerifyItem``) and applies what comes back, using the same pieces of
-``rounds.py``: ``draft_width``, ``commit_outcome`` (through ``SequenceState.commit``) and
-``record_round``. A model-free proposer (prompt lookup) runs right here: it needs only
+A ``SequenceDriver`` never touches a model: it builds the small messages for the
+target and proposer workers (``PrefillItem``, ``ProposeItem``, ``VerifyItem``) and applies
+what comes back, using the pieces of ``spec/rounds.py``: ``draft_width``,
+``commit_outcome`` (through ``SequenceState.commit``) and ``record_round``. A model-free proposer (prompt lookup) runs right here: it needs only
 the committed tokens, which the coordinator already holds, so a hop would cost more
 than the lookup.
 
@@ -15,11 +14,12 @@ from __future__ import annotations
 
 from typing import Any, Hashable, NamedTuple, Sequence
 
-from engine.errors import InvalidRequestError
-from engine.options import SPECULATIVE_MODES, GenerationOptions, SpeculativeConfig
+from engine.config import AUTO_MODE_PREFERENCE, EngineConfig
+from engine.errors import InvalidRequestError, ModelLoadError
+from engine.options import SPECULATIVE_MODES, GenerationOptions
 from engine.sched.proposer_worker import ProposeItem, ProposeResult
-from engine.spec.proposers.prompt_lookup import PromptLookupProposer
-from engine.spec.proposers.base import AcceptContext, Needs, Proposer
+from engine.spec.proposers.base import NO_NEEDS, AcceptContext, Needs, Proposer
+from engine.spec.proposers.registry import PROPOSER_KINDS
 from engine.spec.rounds import Anchor, RoundOutcome, commit_outcome, draft_width, proposer_context, record_round
 from engine.spec.sequence import SequenceState, TokenCallback
 from engine.spec.stats import SpeculativeStats
@@ -33,10 +33,17 @@ class VerifiedRound(NamedTuple):
     committed: int
 
 
+# A verify pass lets draft i see window + i keys and evicts before rejected drafts are
+# rewound, so speculation under a sliding window could change the output: refuse it.
+WINDOW_REFUSAL = ("speculative decoding needs a full-attention KV cache to stay lossless; this engine has "
+                  "sliding_window set, so only speculative_mode 'none' is available")
+
+
 class SequenceDriver:
     def __init__(self, seq_id: Hashable, state: SequenceState, mode: str, num_drafts: int, needs: Needs,
-                 local_proposer: Proposer | None = None, remote_proposer: bool = False) -> None:
+                 local_proposer: Proposer | None = None, remote_proposer: bool = False, kv_tokens: int = 0) -> None:
         self.seq_id, self.state, self.mode, self.num_drafts, self.needs = seq_id, state, mode, num_drafts, needs
+        self.kv_tokens = kv_tokens or len(state.tokens) + state.options.max_new_tokens  # KV to reserve
         self.local_proposer, self.remote_proposer = local_proposer, remote_proposer
         self.stats = SpeculativeStats(mode=mode)
         self.prefilled = False
@@ -74,8 +81,8 @@ class SequenceDriver:
         tokens = self.state.tokens
         since = self._proposer_has
         self._proposer_has = len(tokens)
-        return ProposeItem(self.seq_id, width, since, tokens[since:], self.state.prompt_len,
-                           None if since else self.state.options, self._last_accepted if since else -1, self.anchor)
+        return ProposeItem(self.seq_id, width, since, tokens[since:], None if since else self.state.options,
+                           self._last_accepted if since else -1, self.anchor)
 
     def propose_locally(self) -> None:
         """Draft with the in-coordinator (model-free) proposer, if this request has one."""
@@ -84,8 +91,7 @@ class SequenceDriver:
         if self.local_proposer is None or width <= 1:
             return
         state = self.state
-        proposal = self.local_proposer.propose(proposer_context(width, state.tokens, state.prompt_len,
-                                                                state.options, Anchor(), None, state.text))
+        proposal = self.local_proposer.propose(proposer_context(width, state.tokens, state.options, Anchor(), None))
         self._drafts = [int(t) for t in proposal.tokens[: width - 1]]
 
     def no_drafts(self) -> None:
@@ -130,35 +136,66 @@ class SequenceDriver:
 
 class DriverFactory:
     """Turns a request into a ``SequenceDriver``: picks the mode, checks it is served,
-    builds the committed-token state and says how much KV to reserve."""
+    builds the committed-token state and says how much KV to reserve. The in-process
+    engine and the server's router both make their drivers here, so mode resolution,
+    the sliding-window refusal and the reservation size exist once."""
 
     def __init__(self, tokenizer: TextTokenizer, eos_token_ids: Sequence[int], max_context: int, vocab_size: int,
-                 speculative: SpeculativeConfig, remote_needs: dict[str, Needs]) -> None:
+                 config: EngineConfig, served: dict[str, Needs]) -> None:
+        """``served``: the model-based modes that have a proposer worker, and what each
+        takes from the target; modes that run in the coordinator are always served."""
         self.tokenizer, self.eos_token_ids, self.max_context = tokenizer, tuple(eos_token_ids), max_context
-        self.vocab_size = vocab_size
-        self.speculative, self.remote_needs = speculative, dict(remote_needs)
+        self.vocab_size, self.config, self.served = vocab_size, config, dict(served)
+        self.speculative = config.speculative
+        self.default_mode = self._default_mode()
 
     @property
     def modes(self) -> list[str]:
-        local = ("none", "prompt_lookup")
-        return [m for m in SPECULATIVE_MODES if m in local or m in self.remote_needs]
+        return [m for m in SPECULATIVE_MODES
+                if m == "none" or m in self.served or (m in PROPOSER_KINDS and PROPOSER_KINDS[m].in_coordinator)]
+
+    def _default_mode(self) -> str:
+        wanted = self.speculative.default_mode
+        if wanted == "auto":
+            if self.config.sliding_window is not None:
+                return "none"
+            return next((m for m in AUTO_MODE_PREFERENCE if m in self.served), "none")
+        if wanted not in self.modes:
+            raise ModelLoadError(f"default speculative mode '{wanted}' is not available (loaded: "
+                                 f"{', '.join(self.modes)})")
+        if wanted != "none" and self.config.sliding_window is not None:
+            raise ModelLoadError(WINDOW_REFUSAL)
+        return wanted
 
     def resolve_mode(self, options: GenerationOptions) -> tuple[str, int]:
-        mode = options.speculative_mode or self.speculative.default_mode
+        mode = options.speculative_mode or self.default_mode
+        if mode != "none" and self.config.sliding_window is not None:
+            raise InvalidRequestError(WINDOW_REFUSAL)
         if mode not in self.modes:
-            raise InvalidRequestError(f"speculative mode '{mode}' is not loaded on this server "
+            raise InvalidRequestError(f"speculative mode '{mode}' is not loaded "
                                       f"(available: {', '.join(self.modes)})")
         return mode, options.num_speculative_tokens or self.speculative.num_speculative_tokens
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, self.vocab_size, self.max_context)
 
+    def kv_reservation(self, prompt_len: int, max_new_tokens: int) -> int:
+        """KV token slots to reserve for a request's worst case: every token it may hold,
+        or, under a sliding window, the most blocks the window can ever keep at once."""
+        tokens = min(prompt_len + max_new_tokens, self.max_context)
+        window = self.config.sliding_window
+        if window is None:
+            return tokens
+        size, sinks = self.config.kv_block_size, min(self.config.sink_tokens, window)
+        held_blocks = -(-sinks // size) + -(-(window - sinks) // size) + 1
+        return min(tokens, held_blocks * size)
+
     def create(self, seq_id: Hashable, prompt_ids: list[int], options: GenerationOptions,
-               on_token: TokenCallback | None = None) -> tuple[SequenceDriver, int]:
-        """The driver and the KV tokens to reserve for its worst case."""
+               on_token: TokenCallback | None = None) -> SequenceDriver:
         mode, k = self.resolve_mode(options)
         state = SequenceState(prompt_ids, options, self.tokenizer, self.eos_token_ids, self.max_context, on_token)
-        local = PromptLookupProposer(self.speculative.prompt_lookup_ngram, k) if mode == "prompt_lookup" else None
-        driver = SequenceDriver(seq_id, state, mode, k, self.remote_needs.get(mode, Needs()), local,
-                                remote_proposer=mode in self.remote_needs)
-        return driver, min(len(prompt_ids) + options.max_new_tokens, self.max_context)
+        kind = PROPOSER_KINDS.get(mode)
+        local = kind.local_proposer(self.speculative, k) if kind is not None and kind.in_coordinator else None
+        return SequenceDriver(seq_id, state, mode, k, self.served.get(mode, NO_NEEDS), local,
+                              remote_proposer=mode in self.served,
+                              kv_tokens=self.kv_reservation(len(prompt_ids), options.max_new_tokens))

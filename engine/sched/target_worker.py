@@ -5,11 +5,12 @@ A router sends a batch of small items per tick -- prefills (prompt tokens) and v
 count, the committed tokens, their logprobs and the hidden-state anchor. Logits never
 leave this worker and the KV cache never moves: the worker keeps each sequence's
 committed tokens, options and sampling generator next to its KV pages, so a verify item
-is O(k). Verification itself is ``rounds.verify_on_target``, the same code the
-in-process engine runs.
+is O(k). Verification itself is ``spec/rounds.verify_on_target``, the same code the
+reference loop runs. The in-process engine and every target replica run this worker.
 
-Physical KV blocks are granted by an outside allocator (the KV manager): a prefill
-carries the block ids reserved for the sequence and the cache uses exactly those.
+Physical KV blocks are granted by the block ledger (in-process, or the KV-manager
+actor): a prefill carries the block ids reserved for the sequence and the cache uses
+exactly those.
 """
 from __future__ import annotations
 
@@ -80,8 +81,13 @@ class TargetWorker:
     def sequences(self) -> list[Hashable]:
         return list(self._seqs)
 
-    def committed_tokens(self, seq_id: Hashable) -> list[int]:
-        return list(self._seqs[seq_id].tokens)
+    def live_grants(self) -> dict[Hashable, list[int]]:
+        """Every live sequence's granted blocks, to rebuild a ledger that was lost."""
+        return {seq_id: self.target.cache.owned_blocks(seq_id) for seq_id in self._seqs}
+
+    def probe(self) -> None:
+        """Health probe: the real target session on one token (raises if it is broken)."""
+        self.target.probe()
 
     def step(self, prefills: Sequence[PrefillItem] = (), verifies: Sequence[VerifyItem] = (),
              releases: Sequence[Hashable] = ()) -> list[TargetResult]:

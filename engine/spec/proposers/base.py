@@ -3,7 +3,9 @@
 Mirrors the seed's ``SpeculativeProposer``: ``propose`` drafts tokens for one verify
 pass, ``accept`` hears what the target committed, ``rewind`` re-aligns private state to
 the target's committed tokens, ``name`` identifies the mode. ``close`` releases
-per-request resources (a draft model's KV blocks).
+per-request resources (a draft model's KV blocks). ``propose_batch`` drafts for several
+sequences at once; kinds that restart every pass (``batchable``) do it with one model
+run per draft step for the whole batch, the others loop.
 
 Token convention (one target pass per round): ``context_tokens`` are the committed
 tokens; the last of them (the *pending* token, the target's own choice) is not in the
@@ -46,9 +48,6 @@ class SharedKvSlice:
 class ProposerContext:
     width: int                                   # most tokens this round may commit (drafts + 1)
     context_tokens: Sequence[int]                # prompt + generated; last = pending/guaranteed token
-    generated_tokens: Sequence[int]
-    generated_text: str
-    step: int                                    # generated tokens so far
     options: GenerationOptions
     target_hidden: np.ndarray | None = None      # [H] final hidden at the last position in the target KV
     target_hidden_layers: tuple[np.ndarray, ...] | None = None  # low, mid, high [H] each
@@ -82,8 +81,11 @@ class AcceptContext:
 @runtime_checkable
 class Proposer(Protocol):
     name: str
+    batchable: bool  # True: a fresh state every pass, so one instance can draft for any group of sequences
 
     def propose(self, context: ProposerContext) -> Proposal: ...
+
+    def propose_batch(self, contexts: Sequence[ProposerContext]) -> list[Proposal]: ...
 
     def accept(self, context: AcceptContext) -> None: ...
 
@@ -96,6 +98,13 @@ class StatelessProposer:
     """Defaults for proposers that keep nothing between rounds."""
 
     name = "stateless"
+    batchable = False
+
+    def propose(self, context: ProposerContext) -> Proposal:
+        raise NotImplementedError
+
+    def propose_batch(self, contexts: Sequence[ProposerContext]) -> list[Proposal]:
+        return [self.propose(context) for context in contexts]
 
     def accept(self, context: AcceptContext) -> None:
         return None
@@ -114,3 +123,6 @@ class Needs:
     final_hidden: str | None = None                   # target output name of the final hidden state
     layer_hiddens: tuple[str, ...] = ()               # target output names, low/mid/high in order
     shared_kv_layers: dict[str, int] = field(default_factory=dict)  # group -> bound target layer
+
+
+NO_NEEDS = Needs()  # target-only decoding and model-free proposers take nothing from the target

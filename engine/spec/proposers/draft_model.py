@@ -28,6 +28,7 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 class DraftModelProposer:
     name = "draft_model"
+    batchable = False  # each instance owns one sequence's draft KV
 
     def __init__(self, draft: CachedDecoder) -> None:
         self.draft = draft
@@ -44,6 +45,9 @@ class DraftModelProposer:
             # The draft's own pool is full: this round goes without drafts (still correct).
             self.rewind([])
             return Proposal([])
+
+    def propose_batch(self, contexts: Sequence[ProposerContext]) -> list[Proposal]:
+        return [self.propose(context) for context in contexts]
 
     def _propose(self, context: ProposerContext) -> Proposal:
         options = context.options

@@ -1,5 +1,6 @@
 """EAGLE-3 head proposer, as the seed's ``Eagle3Proposer``: target low|mid|high hidden
-states fused, a recycled hidden state threaded step to step, fresh state every pass,
+states fused, a recycled hidden state threaded step to step, a fresh state every pass
+(its own KV lives only within one ``propose_batch``, so nothing is kept between rounds),
 and an optional reduced draft vocabulary (``d2t``)."""
 from __future__ import annotations
 
@@ -9,20 +10,16 @@ import numpy as np
 
 from engine.errors import InvalidRequestError
 from engine.model.heads import HeadModel
-from engine.spec.proposers.base import AcceptContext, Proposal, ProposerContext
+from engine.spec.proposers.base import Proposal, ProposerContext, StatelessProposer
 
 
-class Eagle3Proposer:
+class Eagle3Proposer(StatelessProposer):
     name = "eagle3"
 
     def __init__(self, head: HeadModel) -> None:
         self.head = head
         geometry = head.past_geometry()
         self._empty = np.zeros((1, geometry.num_kv_heads, 0, geometry.head_dim), np.float32)
-        self.reset()
-
-    def reset(self) -> None:
-        self._past_key, self._past_value = self._empty, self._empty
 
     def to_target_id(self, draft_id: int) -> int:
         return draft_id if self.head.d2t is None else int(draft_id + self.head.d2t[draft_id])
@@ -65,14 +62,3 @@ class Eagle3Proposer:
             for row, token in zip(drafted, previous):
                 row.append(token)
         return [Proposal(row[: c.max_drafts]) for row, c in zip(drafted, contexts)]
-
-    def accept(self, context: AcceptContext) -> None:
-        # Every pass gets a fresh target low/mid/high anchor; draft-only KV from the
-        # previous pass would be stale once drafts were rejected.
-        self.reset()
-
-    def rewind(self, target_tokens: Sequence[int]) -> None:
-        self.reset()
-
-    def close(self) -> None:
-        self.reset()

@@ -1,24 +1,28 @@
 """Multi-token-prediction head proposer (Qwen3.5 / DeepSeek MTP style), as the seed's
 ``MtpProposer``: target final hidden + target embedding of the guaranteed token in,
-``mtp_hidden`` out, read through the target's LM head; the hidden state is threaded."""
+``mtp_hidden`` out, read through the target's LM head; the hidden state is threaded.
+
+It restarts every pass from a fresh target anchor (the seed's "hidden threaded" mode),
+so it keeps nothing between rounds and drafts for a whole batch in one run per step.
+The seed's "cached" mode, which keeps the head's KV across rounds, is not implemented:
+the anchor already carries the target's state at the last accepted position."""
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.model.heads import HeadModel
-from engine.spec.proposers.base import AcceptContext, Proposal, ProposerContext
-
-MtpKvMode = Literal["hidden_threaded", "cached"]
+from engine.spec.proposers.base import Proposal, ProposerContext, StatelessProposer
 
 
-class MtpProposer:
+class MtpProposer(StatelessProposer):
     name = "mtp"
+    batchable = True
 
-    def __init__(self, head: HeadModel, kv_mode: MtpKvMode = "hidden_threaded") -> None:
-        self.head, self.kv_mode = head, kv_mode
+    def __init__(self, head: HeadModel) -> None:
+        self.head = head
         geometry = head.past_geometry()
         self._empty = np.zeros((1, geometry.num_kv_heads, 0, geometry.head_dim), np.float32)
         outputs = {o.name for o in head.session.get_outputs()}
@@ -26,29 +30,13 @@ class MtpProposer:
         self._outputs = [name for name in ("logits", "mtp_hidden") if name in outputs]
         if "mtp_hidden" not in outputs and not self._own_logits:
             raise ModelLoadError(f"{head.directory}: MTP head has neither 'mtp_hidden' nor 'logits' output")
-        self.reset()
-
-    def reset(self) -> None:
-        self._past_key, self._past_value = self._empty, self._empty
-
-    @property
-    def past_len(self) -> int:
-        return self._past_key.shape[2]
-
-    @property
-    def batchable(self) -> bool:
-        """Only the hidden-threaded mode restarts every pass; the cached mode keeps KV."""
-        return self.kv_mode == "hidden_threaded"
 
     def propose(self, context: ProposerContext) -> Proposal:
         return self.propose_batch([context])[0]
 
     def propose_batch(self, contexts: Sequence[ProposerContext]) -> list[Proposal]:
         """Draft for several sequences with one head run per draft step (each row threads
-        its own hidden state). In the cached mode the rows keep their own KV, so only a
-        single sequence is accepted there."""
-        if len(contexts) > 1 and not self.batchable:
-            raise ValueError("MTP proposals in the 'cached' KV mode run one sequence at a time")
+        its own hidden state)."""
         size = self.head.hidden_size
         for context in contexts:
             if context.target_hidden is None:
@@ -58,7 +46,6 @@ class MtpProposer:
                                           f"MTP hidden {size}")
         batch, steps = len(contexts), max(c.max_drafts for c in contexts)
         hidden = np.stack([np.asarray(c.target_hidden, np.float32).ravel() for c in contexts]).reshape(batch, 1, size)
-        self.reset()
         past_key, past_value = (np.repeat(self._empty, batch, axis=0),) * 2
         previous = [c.guaranteed_token for c in contexts]
         drafted: list[list[int]] = [[] for _ in contexts]
@@ -77,19 +64,4 @@ class MtpProposer:
                 row.append(token)
             if "mtp_hidden" in named:
                 hidden = named["mtp_hidden"]  # thread the head's own hidden state to the next step
-        if batch == 1:
-            self._past_key, self._past_value = past_key, past_value  # the cached mode keeps them
         return [Proposal(row[: c.max_drafts]) for row, c in zip(drafted, contexts)]
-
-    def accept(self, context: AcceptContext) -> None:
-        if self.kv_mode == "hidden_threaded":
-            self.reset()
-        else:  # keep the head KV of the accepted steps (the seed rewinds to accepted - 1)
-            keep = max(0, context.accepted_prefix_len - 1)
-            self._past_key, self._past_value = self._past_key[:, :, :keep], self._past_value[:, :, :keep]
-
-    def rewind(self, target_tokens: Sequence[int]) -> None:
-        self.reset()
-
-    def close(self) -> None:
-        self.reset()

@@ -1,79 +1,123 @@
-"""Loading proposers from a model bundle, shared by the in-process engine and by
-proposer replicas (which load only their own kind and never the target ONNX)."""
+"""The one registry of proposer kinds: for each speculative mode, how its proposers are
+made, what it takes from the target, and which Serve deployment hosts it.
+
+Everything that needs to know about a kind asks here -- the in-process ``Engine``, the
+sequence driver (which kinds run inside the coordinator), the proposer replicas
+(loading), the router (wiring ``Needs``) and the Serve builder (deployment names) --
+so adding a kind is one entry, not edits in seven places.
+"""
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Callable
 
-from engine.model.cached_decoder import CachedDecoder
+from engine.config import EngineConfig, SpeculativeConfig
 from engine.errors import ModelLoadError
+from engine.model.bundle import Bundle
+from engine.model.cached_decoder import CachedDecoder
 from engine.model.heads import HeadModel, load_head
-from engine.model.manifest import BundleManifest
-from engine.options import EngineConfig
-from engine.spec.proposers.base import Needs, Proposer
+from engine.spec.proposers.base import NO_NEEDS, Needs, Proposer
 from engine.spec.proposers.draft_model import DraftModelProposer
 from engine.spec.proposers.eagle3 import Eagle3Proposer
 from engine.spec.proposers.mtp import MtpProposer
+from engine.spec.proposers.prompt_lookup import PromptLookupProposer
 from engine.spec.proposers.shared_kv import SharedKvProposer
 
+@dataclass
+class LoadedProposer:
+    """A model-based kind, loaded: a factory of per-sequence proposers sharing one model."""
+
+    mode: str
+    new_proposer: Callable[[], Proposer]
+    model: CachedDecoder | HeadModel
+
+
+@dataclass(frozen=True)
+class ProposerKind:
+    mode: str
+    deployment: str | None   # the Serve deployment hosting it; None = runs inside the coordinator
+    description: str
+
+    @property
+    def in_coordinator(self) -> bool:
+        """Model-free kinds need only the committed tokens the coordinator holds: a hop
+        to another process would cost more than the proposal."""
+        return self.deployment is None
+
+    def provided_by(self, bundle: Bundle | None) -> bool:
+        if self.in_coordinator:
+            return True
+        if bundle is None:
+            return False
+        return bundle.has_draft() if self.mode == "draft_model" else bundle.has_head(self.mode)
+
+    def needs(self, bundle: Bundle, target_outputs: set[str] | None = None) -> Needs:
+        """What this kind takes from the target, checked against the target's outputs."""
+        if self.mode not in HEAD_MODES:
+            return NO_NEEDS
+        config = bundle.head_config(self.mode)
+        wiring = config.get("target_hidden_inputs", {})
+        names = {n for group in wiring.values() for n in group}
+        if target_outputs is not None and names - target_outputs:
+            raise ModelLoadError(f"{self.mode} head needs target outputs {sorted(names - target_outputs)}, which the "
+                                 f"target does not produce (it has {sorted(target_outputs)})")
+        layers = tuple(wiring.get("fused_hidden", ())) if self.mode == "eagle3" else ()
+        groups = dict(config.get("shared_kv_groups", {})) if self.mode == "shared_kv" else {}
+        return Needs(final_hidden=bundle.final_hidden_output, layer_hiddens=layers, shared_kv_layers=groups)
+
+    def local_proposer(self, speculative: SpeculativeConfig, num_drafts: int) -> Proposer:
+        """A per-request proposer of a kind that runs inside the coordinator."""
+        if self.mode != "prompt_lookup":
+            raise ValueError(f"'{self.mode}' does not run inside the coordinator")
+        return PromptLookupProposer(speculative.prompt_lookup_ngram, num_drafts)
+
+    def load(self, bundle: Bundle, config: EngineConfig, target_vocab: int) -> LoadedProposer:
+        """Load this kind's model from the bundle (model-based kinds only)."""
+        if self.in_coordinator:
+            raise ModelLoadError(f"'{self.mode}' has no model to load")
+        if self.mode == "draft_model":
+            draft = _load_draft(bundle, config, target_vocab)
+            return LoadedProposer(self.mode, lambda: DraftModelProposer(draft), draft)
+        head = load_head(self.mode, bundle.head_dir(self.mode), target_vocab, bundle.target_hidden_size,
+                         config.device, config.proposer_threads)
+        make = {"mtp": MtpProposer, "eagle3": Eagle3Proposer, "shared_kv": SharedKvProposer}[self.mode]
+        return LoadedProposer(self.mode, lambda: make(head), head)
+
+
 HEAD_MODES = ("mtp", "eagle3", "shared_kv")
-MODEL_MODES = ("draft_model", *HEAD_MODES)  # modes that need a model besides the target
+
+PROPOSER_KINDS: dict[str, ProposerKind] = {k.mode: k for k in (
+    ProposerKind("prompt_lookup", None, "n-gram copy from the context (no model)"),
+    ProposerKind("draft_model", "DraftModelProposer", "a small LM with its own paged KV cache"),
+    ProposerKind("mtp", "MtpProposer", "a multi-token-prediction head read through the target's LM head"),
+    ProposerKind("eagle3", "Eagle3Proposer", "an EAGLE-3 head fed low/mid/high target hidden states"),
+    ProposerKind("shared_kv", "SharedKvProposer", "a Gemma-4-style assistant reading the target's KV cache"),
+)}
+MODEL_MODES = tuple(m for m, k in PROPOSER_KINDS.items() if not k.in_coordinator)
 
 
-def head_config(bundle_dir: Path, manifest: BundleManifest, kind: str) -> dict:
-    entry = manifest.heads.get(kind)
-    if entry is None:
-        raise ModelLoadError(f"the bundle at {bundle_dir} has no '{kind}' head")
-    return json.loads((bundle_dir / entry.directory / "config.json").read_text())
+def proposer_kind(mode: str) -> ProposerKind:
+    try:
+        return PROPOSER_KINDS[mode]
+    except KeyError:
+        raise ModelLoadError(f"unknown proposer kind '{mode}' (known: {', '.join(PROPOSER_KINDS)})") from None
 
 
-def head_needs(kind: str, config: dict, final_hidden: str, target_outputs: set[str] | None = None) -> Needs:
-    """What a head kind takes from the target, checked against the target's outputs."""
-    wiring = config.get("target_hidden_inputs", {})
-    names = {n for group in wiring.values() for n in group}
-    if target_outputs is not None and names - target_outputs:
-        raise ModelLoadError(f"{kind} head needs target outputs {sorted(names - target_outputs)}, which the target "
-                             f"does not produce (it has {sorted(target_outputs)})")
-    layers = tuple(wiring.get("fused_hidden", ())) if kind == "eagle3" else ()
-    return Needs(final_hidden=final_hidden, layer_hiddens=layers,
-                 shared_kv_layers=dict(config.get("shared_kv_groups", {})) if kind == "shared_kv" else {})
+def provided_modes(bundle: Bundle | None) -> list[str]:
+    """Every mode a bundle can serve, target-only first."""
+    return ["none", *(m for m, k in PROPOSER_KINDS.items() if k.provided_by(bundle))]
 
 
-def load_draft(bundle_dir: Path, manifest: BundleManifest, config: EngineConfig, target_vocab: int) -> CachedDecoder:
-    if "draft" not in manifest.models:
-        raise ModelLoadError(f"the bundle at {bundle_dir} has no draft model")
+def load_proposer(mode: str, bundle: Bundle, config: EngineConfig, target_vocab: int) -> LoadedProposer:
+    return proposer_kind(mode).load(bundle, config, target_vocab)
+
+
+def _load_draft(bundle: Bundle, config: EngineConfig, target_vocab: int) -> CachedDecoder:
     # The draft keeps its full context: it is re-aligned to the target every round.
     draft_config = config.model_copy(update={"sliding_window": None, "sink_tokens": 0,
                                              "intra_op_threads": config.proposer_threads})
-    draft = CachedDecoder(bundle_dir / manifest.models["draft"].directory, draft_config)
+    draft = CachedDecoder(bundle.draft_dir(), draft_config)
     if draft.decoder.vocab_size != target_vocab:
         raise ModelLoadError(f"draft vocab {draft.decoder.vocab_size} != target vocab {target_vocab}: a draft "
                              "must share the target's tokenizer")
     return draft
-
-
-def load_head_model(kind: str, bundle_dir: Path, manifest: BundleManifest, config: EngineConfig,
-                    target_vocab: int) -> HeadModel:
-    hidden = manifest.models["target"].architecture.hidden_size
-    entry = manifest.heads.get(kind)
-    if entry is None:
-        raise ModelLoadError(f"the bundle at {bundle_dir} has no '{kind}' head")
-    return load_head(kind, bundle_dir / entry.directory, target_vocab, hidden, config.device, config.proposer_threads)
-
-
-def head_proposer_factory(kind: str, head: HeadModel, config: EngineConfig) -> Callable[[], Proposer]:
-    if kind == "mtp":
-        return lambda: MtpProposer(head, config.speculative.mtp_kv_mode)
-    return (lambda: Eagle3Proposer(head)) if kind == "eagle3" else (lambda: SharedKvProposer(head))
-
-
-def load_proposer_factory(kind: str, bundle_dir: Path, manifest: BundleManifest, config: EngineConfig,
-                          target_vocab: int) -> Callable[[], Proposer]:
-    """A factory of per-sequence proposers of one model-based kind."""
-    if kind == "draft_model":
-        draft = load_draft(bundle_dir, manifest, config, target_vocab)
-        return lambda: DraftModelProposer(draft)
-    if kind in HEAD_MODES:
-        return head_proposer_factory(kind, load_head_model(kind, bundle_dir, manifest, config, target_vocab), config)
-    raise ModelLoadError(f"'{kind}' is not a model-based proposer (those are {', '.join(MODEL_MODES)})")

@@ -1,0 +1,32 @@
+"""Health probes: run a real model on a minimal input and check its outputs are finite.
+
+Serve's health checks call these (through the workers' ``probe()``), so a stalled or
+broken model fails the check and its replica is replaced -- the probe exercises the
+same onnxruntime session requests use, not a flag.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.errors import EngineError
+
+
+class ProbeFailedError(EngineError):
+    """A model produced non-finite outputs on its health probe."""
+
+
+def probe_session(session, what: str) -> None:
+    """Feed zeros of each input's shape (symbolic dims: 1, past lengths: 0), run, check."""
+    feed = {}
+    for spec in session.get_inputs():
+        shape = [d if isinstance(d, int) else (0 if "past" in spec.name else 1) for d in spec.shape]
+        dtype = np.int64 if "int64" in spec.type else (np.float16 if "float16" in spec.type else np.float32)
+        feed[spec.name] = np.zeros(shape, dtype)
+    if "attention_mask" in feed:
+        feed["attention_mask"] = np.ones_like(feed["attention_mask"])
+    check_finite(session.run(None, feed), what)
+
+
+def check_finite(outputs, what: str) -> None:
+    if not all(np.isfinite(o).all() for o in outputs if np.asarray(o).dtype.kind == "f"):
+        raise ProbeFailedError(f"{what} produced non-finite outputs on its health probe")

@@ -1,0 +1,26 @@
+"""Where the scheduler reports what it measures and what went wrong without failing a
+request. The default records nothing but keeps counts, so tests and the in-process
+engine can read them; the Ray Serve router plugs in Prometheus-backed metrics
+(``deployments/metrics.py``)."""
+from __future__ import annotations
+
+from collections import Counter
+
+
+class RoundMetrics:
+    def __init__(self) -> None:
+        self.faults: Counter[str] = Counter()  # swallowed failures by kind: never silent, always counted
+
+    def draft_call(self, mode: str, seconds: float) -> None: ...
+
+    def verify_call(self, seconds: float) -> None: ...
+
+    def tick(self, seconds: float, active: int) -> None: ...
+
+    def verify_round(self, mode: str, drafts: int, accepted: int, committed: int) -> None: ...
+
+    def fault(self, kind: str, mode: str = "") -> None:
+        """A failure the scheduler recovered from (the request went on): ``kind`` is one of
+        ``proposer_failed``, ``proposer_timeout``, ``propose_batch_failed``,
+        ``ledger_release_failed``."""
+        self.faults[kind] += 1
