@@ -123,6 +123,7 @@ def main() -> None:
                                                    for i in range(max(args.streams) * args.requests_per_stream)}}
     solo_tokens_per_s = statistics.mean(len(r.token_ids) / (r.stamps[-1] - r.started) for r in local[1].results) \
         if 1 in local else None
+    engine.close()  # stop its loop thread before the server takes the cores
     del engine
 
     import ray
@@ -130,8 +131,9 @@ def main() -> None:
 
     from cluster.local import serve_local, start_local_ray
     start_local_ray()
-    serve_local({"model_dir": "models", "device": "cpu", "default_mode": args.mode, "lanes": args.lanes,
-                 "intra_op_threads": args.target_threads}, port=args.port)
+    serve_local({"model_dir": "models", "engine": {
+        "device": "cpu", "intra_op_threads": args.target_threads, "scheduler": {"lanes": args.lanes},
+        "speculative": {"default_mode": args.mode}}}, port=args.port)
     base = f"http://127.0.0.1:{args.port}"
     run_remote = server_runner(base, args.mode, args.new_tokens)
     for prompt in prompts[:4]:

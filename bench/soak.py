@@ -84,12 +84,14 @@ def reference_token_ids(prompts: list[str], max_tokens: int) -> dict[str, list[i
     """Target-only greedy output of the in-process engine, cached per (prompt, max_tokens)."""
     missing = sorted({p for p in prompts if (p, max_tokens) not in _REFERENCE_CACHE})
     if missing:
-        engine = Engine(ROOT / "models", EngineConfig(device="cpu", thread_spinning=False,
-                                                      speculative=SpeculativeConfig(load=())))
-        options = GenerationOptions(max_new_tokens=max_tokens, ignore_eos=True, speculative_mode="none")
-        with ThreadPoolExecutor(REFERENCE_THREADS) as pool:
-            for prompt, ids in zip(missing, pool.map(lambda p: engine.generate(p, options).token_ids, missing)):
-                _REFERENCE_CACHE[(prompt, max_tokens)] = ids
+        # Not spinning: the server under test shares these cores. Closed after, so its loop
+        # thread (and the models it holds) do not outlive the references.
+        with Engine(ROOT / "models", EngineConfig(device="cpu", thread_spinning=False,
+                                                  speculative=SpeculativeConfig(load=()))) as engine:
+            options = GenerationOptions(max_new_tokens=max_tokens, ignore_eos=True, speculative_mode="none")
+            with ThreadPoolExecutor(REFERENCE_THREADS) as pool:
+                for prompt, ids in zip(missing, pool.map(lambda p: engine.generate(p, options).token_ids, missing)):
+                    _REFERENCE_CACHE[(prompt, max_tokens)] = ids
     return {p: _REFERENCE_CACHE[(p, max_tokens)] for p in prompts}
 
 
@@ -275,7 +277,8 @@ def local_server(port: int) -> Iterator[str]:
 
     start_local_ray()
     try:
-        serve_local({"model_dir": "models", "device": "cpu", "default_mode": "eagle3"}, port=port)
+        serve_local({"model_dir": "models", "engine": {"device": "cpu", "speculative": {"default_mode": "eagle3"}}},
+                    port=port)
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()

@@ -71,13 +71,12 @@ def step_costs(engine: Engine, prompt: str, runs: int = 100) -> dict[str, float]
     costs["target"] = median_ms(target_step)
     tokens = ids + [pending]
     for mode in MODES[2:]:
-        if mode not in engine.available_modes:
+        if mode not in engine.proposers:
             continue
-        proposer = engine._factories[mode](1)
+        proposer = engine.proposers[mode].new_proposer()
         needs = engine.needs.get(mode)
         ctx = ProposerContext(
-            width=2, context_tokens=tokens, generated_tokens=[pending], generated_text="", step=1,
-            options=GenerationOptions(),
+            width=2, context_tokens=tokens, options=GenerationOptions(),
             target_hidden=out.extras["hidden_states"][-1],
             target_hidden_layers=tuple(out.extras[n][-1] for n in needs.layer_hiddens) if needs else None,
             shared_kv=shared_kv_slices(target.cache, "bench", needs.shared_kv_layers)

@@ -68,15 +68,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", default="models")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--host", default=LOCAL_HOST, help="bind address; keep 127.0.0.1 unless you mean it")
-    parser.add_argument("--default-mode", default="eagle3")
+    parser.add_argument("--default-mode", default="eagle3",
+                        choices=["auto", "none", "prompt_lookup", "draft_model", "mtp", "eagle3", "shared_kv"])
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--modes", default=None,
+                        help="comma-separated proposer kinds to deploy (default: every one the bundle provides)")
     parser.add_argument("--num-cpus", type=int, default=DEFAULT_LOGICAL_CPUS)
     parser.add_argument("--no-dashboard", action="store_true")
     options = parser.parse_args(argv)
     os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
     started = time.monotonic()
     info = start_local_ray(options.num_cpus, dashboard=not options.no_dashboard)
-    args = {"model_dir": options.model_dir, "default_mode": options.default_mode, "device": options.device}
+    speculative = {"default_mode": options.default_mode}
+    if options.modes is not None:
+        speculative["load"] = [m for m in options.modes.split(",") if m]
+    args = {"model_dir": options.model_dir, "engine": {"device": options.device, "speculative": speculative}}
     serve_local(args, options.port, options.host)
     base = f"http://{options.host}:{options.port}"
     dashboard = info.get("dashboard_url") or ""

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
+from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RunningReplica
 
 REPLICA_HINT = "replica_hint"
@@ -26,3 +27,12 @@ class ReplicaAffinityRouter(PowerOfTwoChoicesRequestRouter):
             if pinned:
                 return [pinned]
         return await super().choose_replicas(candidate_replicas, pending_request)
+
+
+# After the class: the config imports it by name.
+AFFINITY_ROUTER = RequestRouterConfig(request_router_class="deployments.affinity:ReplicaAffinityRouter")
+# Serve options shared by the deployments the coordinator calls every tick (the target and
+# the proposers): affinity routing, a health probe of the real model every 10 s, and no
+# access log (per-tick calls would log several lines per round).
+TICK_WORKER_OPTIONS = {"request_router_config": AFFINITY_ROUTER, "health_check_period_s": 10,
+                       "logging_config": {"enable_access_log": False}}

@@ -1,85 +1,81 @@
 """Builds the specserve application (Ray Serve LLM's builder pattern): the deployment
-classes are plain Python; this function applies their options and binds them.
+classes are plain Python and each declares its own Serve options
+(``get_deployment_options``); this function layers them and binds the graph.
 
-``serve run serve_config.yaml`` (or ``serve deploy``) calls ``build_app(args)``; options
-under ``deployments:`` in the config override the defaults set here.
+Options, lowest precedence first: ``DEFAULT_OPTIONS`` here, then the class's
+``get_deployment_options(settings)``, then ``deployment_overrides`` (programmatic runs);
+``serve run serve_config.yaml`` (or ``serve deploy``) calls ``build_app(args)``, and the
+config file's ``deployments:`` section overrides all three.
 """
 from __future__ import annotations
 
 import logging
 
-import ray
 from ray import serve
 from ray.serve import Application
-from ray.serve.config import DeploymentActorConfig, RequestRouterConfig
 
 from engine.errors import ModelLoadError
-from engine.model.manifest import BundleManifest
-from engine.spec.proposers.registry import MODEL_MODES
+from engine.model.bundle import Bundle
+from engine.sched.sequence_driver import resolve_default_mode, served_modes
+from engine.spec.proposers.registry import MODEL_MODES, provided_modes
 
-from .kv_manager import KVManager
 from .proposer import ProposerModel
 from .router import RouterIngress
 from .settings import ServeSettings
-from .target import KV_MANAGER, TargetModel
+from .target import TargetModel
 
 log = logging.getLogger("specserve.builder")
 
-PROPOSER_DEPLOYMENTS = {"draft_model": "DraftModelProposer", "mtp": "MtpProposer", "eagle3": "Eagle3Proposer",
-                        "shared_kv": "SharedKvProposer"}
-QUIET = {"enable_access_log": False}  # per-tick calls would log several lines per round
-AFFINITY = RequestRouterConfig(request_router_class="deployments.affinity:ReplicaAffinityRouter")
+DEFAULT_OPTIONS = {"num_replicas": 1}  # generic; everything specific is the deployment class's
 
 
-def provided_modes(manifest: BundleManifest) -> list[str]:
-    return [m for m in MODEL_MODES if (m == "draft_model" and "draft" in manifest.models) or m in manifest.heads]
+def deployment_options(settings: ServeSettings, declared: dict) -> dict:
+    """Generic defaults, then the class's declared options, then ``deployment_overrides``."""
+    name = declared["name"]
+    override = settings.deployment_overrides.get(name, {})
+    merged = {**DEFAULT_OPTIONS, **declared, **override}
+    if "autoscaling_config" in merged:
+        merged.pop("num_replicas", None)  # Serve takes one or the other
+    return merged
+
+
+def deployed_modes(settings: ServeSettings, bundle: Bundle) -> list[str]:
+    """The model-based proposer kinds to deploy: ``engine.speculative.load``, or every one
+    the bundle provides; a requested kind the bundle lacks is an error."""
+    available = provided_modes(bundle)
+    load = settings.engine.speculative.load
+    missing = [m for m in load or () if m not in available]
+    if missing:
+        raise ModelLoadError(f"modes {missing} requested but the bundle at {bundle.directory} does not provide them")
+    return [m for m in MODEL_MODES if m in available and (load is None or m in load)]
+
+
+def default_mode(settings: ServeSettings, wanted: list[str]) -> str:
+    """The default mode the router will resolve (the scheduler's own rule: "auto", the
+    sliding-window refusal), worked out now so a default that cannot be served fails the
+    deploy instead of the router's first request. Raises ``ModelLoadError``."""
+    return resolve_default_mode(settings.engine, served_modes(wanted))
 
 
 def build_app(args: dict | None = None) -> Application:
     settings = ServeSettings.model_validate(args or {})
-    bundle = settings.bundle_dir()
-    manifest = BundleManifest.load(bundle)
-    available = provided_modes(manifest)
-    wanted = [m for m in (settings.modes or available) if m in MODEL_MODES]
-    missing = [m for m in wanted if m not in available]
-    if missing:
-        raise ModelLoadError(f"modes {missing} requested but the bundle at {bundle} does not provide them")
-    served = {"none", "prompt_lookup", *wanted}
-    if settings.default_mode not in served:
-        raise ModelLoadError(f"default_mode '{settings.default_mode}' is not among the deployed modes {sorted(served)}")
-    settings = settings.model_copy(update={"model_dir": str(bundle)})
-    engine_config = settings.engine_config()
-    gpu = settings.device == "cuda"
+    bundle = Bundle.load(settings.bundle_dir())
+    wanted = deployed_modes(settings, bundle)
+    default = default_mode(settings, wanted)
+    settings = settings.model_copy(update={"model_dir": str(bundle.directory)})
+    engine_config = settings.engine.model_dump(mode="json")
 
-    overrides = settings.deployment_overrides
-
-    def options(name: str, defaults: dict) -> dict:
-        """Code defaults, then ``deployment_overrides`` (programmatic runs; a config
-        file's ``deployments:`` section overrides both)."""
-        merged = {"name": name, **defaults, **overrides.get(name, {})}
-        if "autoscaling_config" in overrides.get(name, {}):
-            merged.pop("num_replicas", None)  # Serve takes one or the other
-        return merged
-
-    target = serve.deployment(TargetModel).options(**options("TargetModel", {
-        "num_replicas": 1, "max_ongoing_requests": 2 * settings.lanes,
-        "ray_actor_options": {"num_cpus": 0.5, **({"num_gpus": 1} if gpu else {})},
-        "request_router_config": AFFINITY, "health_check_period_s": 10, "logging_config": QUIET,
-        "deployment_actors": [DeploymentActorConfig(
-            name=KV_MANAGER, actor_class=ray.remote(KVManager),
-            init_kwargs={"admission_timeout_s": settings.admission_timeout_s},
-            actor_options={"num_cpus": 0.05})]}),
-    ).bind(str(bundle / manifest.models["target"].directory), engine_config)
+    target = serve.deployment(TargetModel).options(
+        **deployment_options(settings, TargetModel.get_deployment_options(settings)),
+    ).bind(str(bundle.target_dir), engine_config)
     proposers = {
-        mode: serve.deployment(ProposerModel).options(**options(PROPOSER_DEPLOYMENTS[mode], {
-            "num_replicas": 1, "max_ongoing_requests": 2 * settings.lanes,
-            "ray_actor_options": {"num_cpus": 0.25, **({"num_gpus": 0.25} if gpu else {})},
-            "request_router_config": AFFINITY, "health_check_period_s": 10, "logging_config": QUIET}),
-        ).bind(str(bundle), mode, engine_config)
+        mode: serve.deployment(ProposerModel).options(
+            **deployment_options(settings, ProposerModel.get_deployment_options(settings, mode)),
+        ).bind(str(bundle.directory), mode, engine_config)
         for mode in wanted}
-    router = serve.deployment(RouterIngress).options(**options("Router", {
-        "num_replicas": 1, "max_ongoing_requests": 256, "ray_actor_options": {"num_cpus": 0.25}}),
-    ).bind(target, proposers, settings.model_dump(exclude={"deployment_overrides"}))
-    log.info("specserve: bundle %s, device %s, modes %s (default %s)", bundle, settings.device,
-             ["none", "prompt_lookup", *wanted], settings.default_mode)
+    router = serve.deployment(RouterIngress).options(
+        **deployment_options(settings, RouterIngress.get_deployment_options(settings)),
+    ).bind(target, proposers, settings.model_dump(mode="json", exclude={"deployment_overrides"}))
+    log.info("specserve: bundle %s, device %s, deployed proposers %s (default mode %s)", bundle.directory,
+             settings.engine.device, wanted, default)
     return router

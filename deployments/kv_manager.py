@@ -1,79 +1,46 @@
 """The KV-manager actor: the single authority for KV block allocation across target
-replicas (``engine.kv.block_ledger``), with admission that waits for room.
+replicas. It is a thin actor around ``engine.kv.admission.Admission`` -- the very
+admission (block ledger + waiting for room) the in-process engine uses.
 
 It is a Serve deployment-scoped actor of the target deployment: the Serve controller
 creates it with the deployment, health-checks it, restarts it if it dies and removes
-it with the deployment. Target replicas register their pools with it; routers admit
-and release through it. It is never on a round's critical path: admission happens once
-per request, and rounds report to it asynchronously.
+it with the deployment. Target replicas register their pools with it (and, after a
+restart, their live grants); routers admit and release through it. It is never on a
+round's critical path: it is called once per request to admit and once to release.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from typing import Hashable, Sequence
 
-from engine.kv.block_ledger import AdmissionError, BlockLedger, Grant
+from engine.kv.admission import Admission
+from engine.kv.block_ledger import Grant
 
 log = logging.getLogger("specserve.kv_manager")
 
 
 class KVManager:
     def __init__(self, admission_timeout_s: float = 30.0) -> None:
-        self.ledger = BlockLedger()
-        self.admission_timeout_s = admission_timeout_s
-        self._room = asyncio.Condition()
+        self.admission = Admission(admission_timeout_s)
 
-    async def register_pool(self, replica: str, num_blocks: int, block_size: int, live: dict | None = None) -> None:
-        async with self._room:
-            self.ledger.register_pool(replica, num_blocks, block_size, live)
-            self._room.notify_all()
+    async def register_pool(self, replica: str, num_blocks: int, block_size: int,
+                            live: dict[Hashable, list[int]] | None = None) -> None:
+        await self.admission.register_pool(replica, num_blocks, block_size, live)
         log.info("target replica %s registered %d KV blocks of %d tokens (%d live sequences)", replica, num_blocks,
                  block_size, len(live or {}))
 
     async def has_pool(self, replica: str) -> bool:
-        return self.ledger.has_pool(replica)
+        return self.admission.ledger.has_pool(replica)
 
     async def drop_pool(self, replica: str) -> list[Hashable]:
-        async with self._room:
-            lost = self.ledger.drop_pool(replica)
-            self._room.notify_all()
-            return lost
+        return await self.admission.drop_pool(replica)
 
-    async def admit(self, seq_id: Hashable, tokens: int, committed: Sequence[int] = (),
-                    avoid: Sequence[str] = ()) -> Grant:
+    async def admit(self, seq_id: Hashable, tokens: int, avoid: Sequence[str] = ()) -> Grant:
         """Reserve KV for a request, waiting up to the admission timeout for room."""
-        deadline = time.monotonic() + self.admission_timeout_s
-        async with self._room:
-            while True:
-                grant = self.ledger.try_admit(seq_id, tokens, committed, avoid)
-                if grant is not None:
-                    return grant
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    usage = self.ledger.usage()
-                    raise AdmissionError(
-                        f"no KV room for a request of up to {tokens} tokens after waiting "
-                        f"{self.admission_timeout_s:g} s ({usage['free_blocks']} of {usage['total_blocks']} blocks "
-                        f"free, {usage['sequences']} sequences running); retry later")
-                try:
-                    await asyncio.wait_for(self._room.wait(), remaining)
-                except asyncio.TimeoutError:
-                    pass
-
-    async def record(self, updates: Sequence[tuple[Hashable, int, Sequence[int]]]) -> None:
-        self.ledger.record(updates)
+        return await self.admission.admit(seq_id, tokens, avoid)
 
     async def release(self, seq_id: Hashable) -> bool:
-        async with self._room:
-            released = self.ledger.release(seq_id)
-            if released:
-                self._room.notify_all()
-            return released
-
-    async def committed_tokens(self, seq_id: Hashable) -> list[int]:
-        return self.ledger.committed_tokens(seq_id)
+        return await self.admission.release(seq_id)
 
     async def usage(self) -> dict:
-        return self.ledger.usage()
+        return self.admission.usage()

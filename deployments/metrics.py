@@ -13,14 +13,38 @@ from collections import defaultdict
 
 from ray.serve import metrics
 
-from engine.sched.coordinator import RoundMetrics
+from engine.sched.metrics import RoundMetrics
 
 LATENCY_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48]
 MODE = ("mode",)
+FAULT_TAGS = ("kind", "mode")
+
+
+def recovered_faults_counter() -> metrics.Counter:
+    """Failures the scheduler or a worker recovered from (the request went on, maybe
+    without drafts): ``kind`` as in ``RoundMetrics.fault``. Exported on the first one."""
+    return metrics.Counter("specserve_recovered_faults", "failures recovered from without failing a request, by "
+                           "kind (proposer_failed, proposer_timeout, propose_batch_failed, ledger_release_failed)",
+                           tag_keys=FAULT_TAGS)
+
+
+class ServeWorkerMetrics(RoundMetrics):
+    """What a worker replica reports: the faults it recovers from (a failing batched
+    proposal retried one sequence at a time), counted in the process and in Prometheus."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.recovered_faults = recovered_faults_counter()
+
+    def fault(self, kind: str, mode: str = "") -> None:
+        super().fault(kind, mode)
+        self.recovered_faults.inc(1, {"kind": kind, "mode": mode})
 
 
 class ServeRoundMetrics(RoundMetrics):
     def __init__(self) -> None:
+        super().__init__()
+        self.recovered_faults = recovered_faults_counter()
         self.num_drafts = metrics.Counter(
             "spec_decode_num_drafts", "verify rounds that checked at least one draft token", tag_keys=MODE)
         self.num_draft_tokens = metrics.Counter(
@@ -92,6 +116,11 @@ class ServeRoundMetrics(RoundMetrics):
         add[(self.wasted_draft_tokens, tags)] += drafts - accepted
         for position in range(accepted):
             add[(self.accepted_per_pos, (("mode", mode), ("position", str(position))))] += 1
+
+    def fault(self, kind: str, mode: str = "") -> None:
+        """Counted at once (faults are rare; a dashboard should see them without a tick)."""
+        super().fault(kind, mode)
+        self.recovered_faults.inc(1, {"kind": kind, "mode": mode})
 
     # -- per request -------------------------------------------------------------------------
     def request_done(self, mode: str, outcome: str, stamps: list[float], arrived: float) -> None:

@@ -1,4 +1,4 @@
-"""OpenAI-compatible request and response shapes (the subset specserve serves).
+"""OpenAI-compatible request shapes and errors (the subset specserve serves).
 
 Requests are strict: a field this server does not know is a 400 naming the field,
 rather than a silently ignored setting. Fields OpenAI defines but specserve does not
@@ -8,18 +8,15 @@ Extensions (vLLM-style extra body fields): ``speculative_mode``,
 ``num_speculative_tokens``, ``top_k``, ``repetition_penalty``, ``ignore_eos``,
 ``return_token_ids`` (each choice, and each streamed chunk, carries ``token_ids``); every
 response carries the request's speculative statistics under ``speculative``.
+The response bodies and SSE chunks are built in ``openai_responses.py``.
 """
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.options import MAX_SPECULATIVE_TOKENS, GenerationOptions, SpeculativeMode
-from engine.spec.sampling import TokenLogprob
-from engine.spec.stats import SpeculativeStats
 
 
 class ApiError(Exception):
@@ -133,43 +130,3 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs: true")
         return self
-
-
-# -- responses -----------------------------------------------------------------------------
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def speculative_body(stats: SpeculativeStats, num_speculative_tokens: int) -> dict:
-    return {"mode": stats.mode, "num_speculative_tokens": num_speculative_tokens,
-            "rounds": stats.verification_steps, "draft_tokens": stats.proposed_tokens,
-            "accepted_tokens": stats.accepted_tokens, "acceptance_rate": round(stats.acceptance_rate, 4),
-            "mean_accepted_length": round(stats.mean_accepted_length, 4),
-            "accepted_per_position": list(stats.accepted_per_position),
-            "draft_per_position": list(stats.proposed_per_position)}
-
-
-def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def completion_logprobs(items: list[TokenLogprob], offset: int = 0) -> dict:
-    """The legacy completions format: parallel lists."""
-    offsets, position = [], offset
-    for item in items:
-        offsets.append(position)
-        position += len(item.token)
-    return {"tokens": [i.token for i in items], "token_logprobs": [i.logprob for i in items],
-            "top_logprobs": [{t.token: t.logprob for t in i.top} for i in items], "text_offset": offsets}
-
-
-def chat_logprobs(items: list[TokenLogprob]) -> dict:
-    def entry(token: str, logprob: float) -> dict:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
-    return {"content": [{**entry(i.token, i.logprob), "top_logprobs": [entry(t.token, t.logprob) for t in i.top]}
-                        for i in items]}

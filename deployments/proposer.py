@@ -1,5 +1,6 @@
 """A proposer deployment: one model-based proposer kind (draft model, MTP, EAGLE-3 or
-shared-KV) with its own replicas and resources (``engine.sched.proposer_worker``).
+shared-KV) with its own replicas and resources (``engine.sched.proposer_worker``). The
+kind's model is loaded through the proposer registry, as the in-process engine loads it.
 
 Target hidden states and shared-KV slices arrive as ObjectRefs to the object the target
 replica put in the store -- the router passes the references on without touching the
@@ -9,30 +10,47 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import Counter
-from pathlib import Path
 from typing import Hashable, Sequence
 
-import numpy as np
 import ray
 from ray import serve
 
-from engine.model.manifest import BundleManifest
-from engine.options import EngineConfig
-from engine.spec.proposers.registry import load_proposer_factory
+from engine.config import EngineConfig
+from engine.model.bundle import Bundle
 from engine.sched.proposer_worker import ProposeItem, ProposeResult, ProposerWorker
+from engine.spec.proposers.registry import PROPOSER_KINDS
+
+from .affinity import TICK_WORKER_OPTIONS
+from .metrics import ServeWorkerMetrics
+from .settings import ServeSettings
 
 
 class ProposerModel:
+    @classmethod
+    def get_deployment_options(cls, settings: ServeSettings, mode: str) -> dict:
+        """Serve options of ``mode``'s deployment (named by the registry); the builder
+        layers ``deployment_overrides`` on top. A quarter of a GPU: four proposer
+        replicas share one device."""
+        gpu = settings.engine.device == "cuda"
+        return {
+            "name": PROPOSER_KINDS[mode].deployment,
+            "max_ongoing_requests": 2 * settings.engine.scheduler.lanes,
+            "ray_actor_options": {"num_cpus": 0.25, **({"num_gpus": 0.25} if gpu else {})},
+            **TICK_WORKER_OPTIONS,
+        }
+
     def __init__(self, bundle_dir: str, mode: str, engine_config: dict) -> None:
         self.mode = mode
         config = EngineConfig.model_validate(engine_config)
-        bundle = Path(bundle_dir)
-        manifest = BundleManifest.load(bundle)
-        vocab = manifest.models["target"].architecture.vocab_size
-        self.worker = ProposerWorker(load_proposer_factory(mode, bundle, manifest, config, vocab))
+        # One replica among several on the node: resolve "auto" spinning as a replica does.
+        config = config.model_copy(update={"thread_spinning": config.spinning(owns_cores=False)})
+        bundle = Bundle.load(bundle_dir)
+        vocab = bundle.manifest.models["target"].architecture.vocab_size
+        self.metrics = ServeWorkerMetrics()
+        self.worker = ProposerWorker(PROPOSER_KINDS[mode].load(bundle, config, vocab), self.metrics)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._lock = threading.Lock()
-        self.transport = Counter()  # how target data arrived: by reference (the design) or by value
+        self.transport = Counter()  # how target data arrived (by reference: the design) and what was served
 
     def propose(self, items: Sequence[ProposeItem], releases: Sequence[Hashable],
                 replica_hint: str | None = None) -> tuple[str, list[ProposeResult]]:
@@ -40,6 +58,7 @@ class ProposerModel:
         with self._lock:
             self.worker.release(releases)
             results = self.worker.propose(items)
+        self.transport["drafted_rounds"] += sum(1 for r in results if r.tokens)
         probs = {r.seq_id: r.probs for r in results if r.probs is not None}
         if probs:  # [k, V] per sequence: by reference, never through the router's memory
             ref = ray.put(probs)
@@ -61,25 +80,12 @@ class ProposerModel:
             resolved.append(item)
         return resolved
 
-    def transport_stats(self) -> dict:
+    def transport_stats(self, replica_hint: str | None = None) -> dict:
+        """This replica's counters (``replica_hint`` pins the call to one replica)."""
         return {"replica": self.replica_id, "mode": self.mode, **self.transport,
-                "sequences": len(self.worker.sequences)}
+                "sequences": len(self.worker.sequences), "faults": dict(self.metrics.faults)}
 
     def check_health(self) -> None:
-        """Run the real ONNX session of this proposer on a minimal input."""
+        """Probe the real proposer model (``ProposerWorker.probe``)."""
         with self._lock:
-            probe = self.worker.factory()
-            try:
-                session = getattr(getattr(probe, "head", None), "session", None) or probe.draft.decoder.session
-                feed = {}
-                for spec in session.get_inputs():
-                    shape = [d if isinstance(d, int) else (0 if "past" in spec.name else 1) for d in spec.shape]
-                    dtype = np.int64 if "int64" in spec.type else (np.float16 if "float16" in spec.type else np.float32)
-                    feed[spec.name] = np.zeros(shape, dtype)
-                if "attention_mask" in feed:
-                    feed["attention_mask"] = np.ones_like(feed["attention_mask"])
-                outputs = session.run(None, feed)
-            finally:
-                probe.close()
-        if not all(np.isfinite(o).all() for o in outputs if o.dtype.kind == "f"):
-            raise RuntimeError(f"{self.mode} proposer produced non-finite outputs on the health probe")
+            self.worker.probe()

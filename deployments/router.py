@@ -1,21 +1,21 @@
 """The router deployment: the OpenAI-compatible HTTP ingress and the round coordinator.
 
-It keeps each request's committed tokens and streaming state (``SequenceDriver``), runs
-the tick loop (``RoundCoordinator``) that batches every active request's round into one
-call per proposer replica and one per target replica, and streams tokens as they are
-committed. It holds ObjectRefs, never tensors. Prompt lookup runs here: it needs only
-the committed tokens the router already has, so a hop would cost more than the lookup.
+It runs each request's lifecycle -- validate, admit, follow, stream, cancel -- on the
+same scheduler the in-process engine runs: a ``SequenceDriver`` per request (committed
+tokens, streaming state) and the ``RoundCoordinator`` tick loop that batches every
+active request's round into one call per proposer replica and one per target replica,
+here over ``ServeTransport``. It holds ObjectRefs, never tensors. Prompt lookup runs
+here: it needs only the committed tokens the router already has. Response bodies and
+SSE chunks are shaped in ``openai_responses.py``.
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import os
 import time
 import uuid
-from pathlib import Path
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -24,21 +24,20 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from engine.kv.block_ledger import AdmissionError
-from engine.model.chat import ChatTemplate
-from engine.sched.coordinator import RequestFailedError, RoundCoordinator
 from engine.errors import InvalidRequestError
-from engine.model.manifest import BundleManifest
-from engine.options import GenerationOptions, SpeculativeConfig
-from engine.spec.proposers.registry import head_config, head_needs
-from engine.spec.proposers.base import Needs
-from engine.spec.sequence import TokenEvent
-from engine.sched.sequence_driver import DriverFactory, SequenceDriver
+from engine.kv.block_ledger import AdmissionError
+from engine.model.bundle import Bundle
+from engine.model.chat import ChatTemplate
 from engine.model.tokenizer import TextTokenizer
+from engine.options import GenerationOptions
+from engine.sched.coordinator import RequestFailedError, RoundCoordinator
+from engine.sched.sequence_driver import DriverFactory
+from engine.spec.proposers.registry import PROPOSER_KINDS
+from engine.spec.sequence import TokenEvent
 
 from .metrics import ServeRoundMetrics
-from .openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs,
-                              new_id, now, speculative_body, usage_body)
+from .openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from .openai_responses import SSE_DONE, ResponseShaper
 from .settings import ServeSettings
 from .transport import ServeTransport
 
@@ -93,13 +92,17 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 
 
 class Router:
+    @classmethod
+    def get_deployment_options(cls, settings: ServeSettings) -> dict:
+        """The ingress's Serve options (``deployment_overrides`` go on top): one replica
+        holds every request's coroutine, so it takes many at once and little CPU."""
+        return {"name": "Router", "max_ongoing_requests": 256, "ray_actor_options": {"num_cpus": 0.25}}
+
     def __init__(self, target: DeploymentHandle, proposers: dict[str, DeploymentHandle], settings: dict) -> None:
         self.settings = ServeSettings.model_validate(settings)
-        bundle = Path(self.settings.model_dir)
-        self.manifest = BundleManifest.load(bundle)
-        target_dir = bundle / self.manifest.models["target"].directory
-        self.tokenizer = TextTokenizer(target_dir)
-        self.chat_template = ChatTemplate.from_model_dir(target_dir)
+        self.bundle = Bundle.load(self.settings.model_dir)
+        self.tokenizer = TextTokenizer(self.bundle.target_dir)
+        self.chat_template = ChatTemplate.from_model_dir(self.bundle.target_dir)
         self.model_name = self.settings.served_model_name
         self.target, self.proposers = target, proposers
         self.transport: ServeTransport | None = None
@@ -120,29 +123,21 @@ class Router:
         await asyncio.shield(self._ready)
 
     async def _connect(self) -> None:
-        """Learn the target's limits and the KV manager once, and wire each head's needs."""
+        """Learn the target's limits and the KV manager once, and wire what each deployed
+        proposer kind takes from the target (the registry says; the target's outputs check)."""
         info = await self.target.describe.remote()
-        final = self.manifest.models["target"].hidden_outputs.final
         outputs = set(info["extra_outputs"])
-        needs: dict[str, Needs] = {}
-        for mode in self.proposers:
-            needs[mode] = Needs() if mode == "draft_model" else head_needs(
-                mode, head_config(Path(self.settings.model_dir), self.manifest, mode), final, outputs)
-        s = self.settings
-        speculative = SpeculativeConfig(default_mode=s.default_mode, num_speculative_tokens=s.num_speculative_tokens,
-                                        prompt_lookup_ngram=s.prompt_lookup_ngram)
+        needs = {mode: PROPOSER_KINDS[mode].needs(self.bundle, outputs) for mode in self.proposers}
+        engine = self.settings.engine
         self.factory = DriverFactory(self.tokenizer, info["eos_token_ids"], info["max_context"], info["vocab_size"],
-                                     speculative, needs)
-        if s.default_mode not in self.factory.modes:
-            raise RuntimeError(f"default_mode '{s.default_mode}' is not deployed (have {self.factory.modes})")
+                                     engine, needs)
         self.transport = ServeTransport(self.target, self.proposers, info["kv_manager"])
-        self.coordinator = RoundCoordinator(self.transport, lanes=s.lanes, max_batch=s.max_batch, metrics=self.metrics,
-                                            proposer_timeout_s=s.proposer_timeout_s)
+        self.coordinator = RoundCoordinator(self.transport, engine.scheduler, self.metrics)
         self._gauges = asyncio.ensure_future(self._report_kv())
         self.max_context = info["max_context"]
-        self.max_tokens_cap = min(s.max_tokens_cap or self.max_context, self.max_context)
-        log.info("router ready: modes %s, default %s, target providers %s", self.factory.modes, s.default_mode,
-                 info["providers"])
+        self.max_tokens_cap = min(self.settings.max_tokens_cap or self.max_context, self.max_context)
+        log.info("router ready: modes %s, default %s, target providers %s", self.factory.modes,
+                 self.factory.default_mode, info["providers"])
 
     async def _report_kv(self, period_s: float = 2.0) -> None:
         """Keep the KV gauges current (the ledger lives in the KV-manager actor)."""
@@ -171,7 +166,8 @@ class Router:
         await self._ensure_ready()
         t = self.coordinator.timings
         return {"kv": await self.transport.kv_call("usage"), "active_sequences": self.coordinator.active,
-                "modes": self.factory.modes, "default_mode": self.settings.default_mode,
+                "modes": self.factory.modes, "default_mode": self.factory.default_mode,
+                **self._scheduler_stats(),
                 "ticks": t.ticks, "sequence_rounds": t.rounds,
                 "mean_tick_ms": 1000 * t.tick_s / t.ticks if t.ticks else 0.0,
                 "mean_propose_ms": 1000 * t.propose_s / t.ticks if t.ticks else 0.0,
@@ -233,16 +229,17 @@ class Router:
             if body.stream:
                 queue.put_nowait(event)
 
-        seq_id = uuid.uuid4().hex
-        driver, kv_tokens = self.factory.create(seq_id, prompt_ids, options, on_token)
+        driver = self.factory.create(uuid.uuid4().hex, prompt_ids, options, on_token)
         try:
-            admitted = await self.coordinator.admit(driver, kv_tokens)  # 503 here, before any stream starts
+            admitted = await self.coordinator.admit(driver)  # 503 here, before any stream starts
         except Exception as exc:  # noqa: BLE001
             self.metrics.request_done(driver.mode, "rejected", [], arrived)
             raise _as_api_error(exc) from exc
         run = asyncio.ensure_future(self.coordinator.follow(admitted))
         run.add_done_callback(lambda task: self.metrics.request_done(
             driver.mode, "cancelled" if task.cancelled() else "error" if task.exception() else "ok", stamps, arrived))
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        shaper = ResponseShaper(self.model_name, chat, body.return_token_ids, include_usage)
         if not body.stream:
             try:
                 await run
@@ -251,45 +248,17 @@ class Router:
                 raise
             except Exception as exc:  # noqa: BLE001
                 raise _as_api_error(exc) from exc
-            return self._response(driver, chat, body.return_token_ids)
+            return shaper.full(driver)
         run.add_done_callback(lambda _: queue.put_nowait(None))
-        return StreamingResponse(self._stream(driver, run, queue, chat, body), media_type="text/event-stream")
+        return StreamingResponse(self._stream(driver, run, queue, shaper), media_type="text/event-stream")
 
-    def _response(self, driver: SequenceDriver, chat: bool, token_ids: bool) -> dict:
-        state = driver.state
-        usage = usage_body(state.prompt_len, len(state.generated))
-        spec = speculative_body(driver.stats, driver.num_drafts)
-        logprobs = state.logprobs if state.options.logprobs else None
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": state.text},
-                      "finish_reason": state.finish_reason,
-                      "logprobs": chat_logprobs(logprobs) if logprobs is not None else None}
-            if token_ids:
-                choice["token_ids"] = list(state.generated)
-            return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now(), "model": self.model_name,
-                    "choices": [choice], "usage": usage, "speculative": spec}
-        choice = {"index": 0, "text": state.text, "finish_reason": state.finish_reason,
-                  "logprobs": completion_logprobs(logprobs) if logprobs is not None else None}
-        if token_ids:
-            choice["token_ids"] = list(state.generated)
-        return {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": self.model_name,
-                "choices": [choice], "usage": usage, "speculative": spec}
-
-    async def _stream(self, driver: SequenceDriver, run: asyncio.Future, queue: asyncio.Queue, chat: bool,
-                      body) -> AsyncIterator[str]:
-        """SSE chunks as tokens commit; a client that disconnects cancels the request."""
-        request_id, created = new_id("chatcmpl" if chat else "cmpl"), now()
-        kind = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(choices: list, **extra) -> str:
-            return "data: " + json.dumps({"id": request_id, "object": kind, "created": created,
-                                          "model": self.model_name, "choices": choices, **extra}) + "\n\n"
-
+    @staticmethod
+    async def _stream(driver, run: asyncio.Future, queue: asyncio.Queue, shaper: ResponseShaper) -> AsyncIterator[str]:
+        """Forward committed tokens as they come; a client that disconnects cancels the request."""
         try:
-            if chat:
-                yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}])
-            offset, finished = 0, False
+            if opening := shaper.opening():
+                yield opening
+            finished = False
             while not finished:
                 # A round commits several tokens at once: send them as one write, so a
                 # round costs one message to the HTTP proxy, not one per token.
@@ -299,32 +268,11 @@ class Router:
                 if events[-1] is None:
                     finished = True
                     events.pop()
-                parts = []
-                for event in events:
-                    logprobs = None
-                    if event.logprob is not None:
-                        logprobs = (chat_logprobs([event.logprob]) if chat
-                                    else completion_logprobs([event.logprob], offset))
-                    offset += len(event.text)
-                    ids = {"token_ids": [event.token_id]} if body.return_token_ids else {}
-                    if chat:
-                        delta = {"content": event.text} if event.text else {}
-                        parts.append(chunk([{"index": 0, "delta": delta, "logprobs": logprobs,
-                                             "finish_reason": event.finish_reason, **ids}]))
-                    else:
-                        parts.append(chunk([{"index": 0, "text": event.text, "logprobs": logprobs,
-                                             "finish_reason": event.finish_reason, **ids}]))
-                if parts:
-                    yield "".join(parts)
-            if run.exception() is not None:
-                error = _as_api_error(run.exception())
-                yield "data: " + json.dumps(error.body()) + "\n\n"
-            else:
-                state = driver.state
-                include_usage = body.stream_options is not None and body.stream_options.include_usage
-                yield chunk([], usage=usage_body(state.prompt_len, len(state.generated)) if include_usage else None,
-                            speculative=speculative_body(driver.stats, driver.num_drafts))
-            yield "data: [DONE]\n\n"
+                if events:
+                    yield shaper.tokens(events)
+            failure = run.exception()
+            yield shaper.error(_as_api_error(failure)) if failure is not None else shaper.closing(driver)
+            yield SSE_DONE
         finally:
             if not run.done():
                 run.cancel()  # client disconnected mid-stream: retire the request, free its KV
@@ -334,6 +282,14 @@ class Router:
         """The KV manager's view (releases trail a request's last token by one tick)."""
         await self._ensure_ready()
         return await self.transport.kv_call("usage")
+
+    async def scheduler_stats(self) -> dict:
+        """Which proposer replicas drafted how many sequence-rounds, and recovered faults."""
+        await self._ensure_ready()
+        return self._scheduler_stats()
+
+    def _scheduler_stats(self) -> dict:
+        return {"proposer_replicas": self.transport.proposer_replicas(), "recovered_faults": dict(self.metrics.faults)}
 
 
 def _as_api_error(exc: BaseException) -> ApiError:

@@ -12,17 +12,20 @@ import time
 from pathlib import Path
 from typing import Hashable, Sequence
 
-import numpy as np
 import ray
 from ray import serve
+from ray.serve.config import DeploymentActorConfig
 
+from engine.config import EngineConfig
 from engine.model.cached_decoder import CachedDecoder
-from engine.options import EngineConfig
 from engine.sched.target_worker import PrefillItem, TargetResult, TargetWorker, VerifyItem
+
+from .affinity import TICK_WORKER_OPTIONS
+from .kv_manager import KVManager
+from .settings import ServeSettings
 
 log = logging.getLogger("specserve.target")
 KV_MANAGER = "kv_manager"
-REPORT_INTERVAL_S = 0.05
 
 
 def kv_manager_handle(attempts: int = 100):
@@ -37,16 +40,32 @@ def kv_manager_handle(attempts: int = 100):
 
 
 class TargetModel:
+    @classmethod
+    def get_deployment_options(cls, settings: ServeSettings) -> dict:
+        """This deployment's Serve options (the builder layers ``deployment_overrides`` on
+        top): one call per lane per tick in flight, affinity routing (a sequence's KV
+        lives on one replica), and the KV manager as a deployment-scoped actor."""
+        gpu = settings.engine.device == "cuda"
+        return {
+            "name": "TargetModel",
+            "max_ongoing_requests": 2 * settings.engine.scheduler.lanes,
+            "ray_actor_options": {"num_cpus": 0.5, **({"num_gpus": 1} if gpu else {})},
+            **TICK_WORKER_OPTIONS,
+            "deployment_actors": [DeploymentActorConfig(
+                name=KV_MANAGER, actor_class=ray.remote(KVManager),
+                init_kwargs={"admission_timeout_s": settings.engine.scheduler.admission_timeout_s},
+                actor_options={"num_cpus": 0.05})],
+        }
+
     def __init__(self, target_dir: str, engine_config: dict) -> None:
         self.config = EngineConfig.model_validate(engine_config)
-        self.decoder = CachedDecoder(Path(target_dir), self.config)
+        # One replica among several on the node: its threads must not spin on shared cores.
+        self.decoder = CachedDecoder(Path(target_dir), self.config, owns_cores=False)
         self.worker = TargetWorker(self.decoder)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._lock = threading.Lock()  # one ONNX run and cache mutation at a time
         self.steps, self.step_s, self.compute_s = 0, 0.0, 0.0  # where a replica's time goes
         self.health_probes = 0
-        self._pending_reports: list = []
-        self._last_report = 0.0
         self.kv = None
         self._ensure_registered()
 
@@ -62,15 +81,14 @@ class TargetModel:
     def _ensure_registered(self) -> None:
         """Make sure the (current) KV manager knows this replica's pool. After the
         manager was restarted it knows nothing: re-register with every live sequence's
-        blocks and tokens, so its ledger is whole again and no block is granted twice."""
+        granted blocks, so its ledger is whole again and no block is granted twice."""
         kv = kv_manager_handle()
         if ray.get(kv.has_pool.remote(self.replica_id), timeout=10):
             self.kv = kv
             return
         cache = self.decoder.cache
         with self._lock:
-            live = {seq: (cache.owned_blocks(seq), cache.length(seq), self.worker.committed_tokens(seq))
-                    for seq in self.worker.sequences}
+            live = self.worker.live_grants()
         ray.get(kv.register_pool.remote(self.replica_id, cache.num_blocks, cache.block_size, live), timeout=10)
         self.kv = kv
 
@@ -102,19 +120,9 @@ class TargetModel:
         ref = ray.put(anchors) if anchors else None
         results = [r if r.outcome is None else dataclasses.replace(
             r, outcome=dataclasses.replace(r.outcome, anchor=ref if r.seq_id in anchors else None)) for r in results]
-        self._report([(r.seq_id, r.kv_length, r.outcome.tokens) for r in results if r.outcome is not None])
         self.steps += 1
         self.step_s += time.perf_counter() - started
         return self.replica_id, results
-
-    def _report(self, updates: list) -> None:
-        """Tell the KV manager what was committed, batched over ticks and sent without
-        waiting: it is the ledger of record, never a step on a round's critical path."""
-        self._pending_reports.extend(updates)
-        now = time.monotonic()
-        if self._pending_reports and now - self._last_report >= REPORT_INTERVAL_S:
-            self.kv.record.remote(self._pending_reports)
-            self._pending_reports, self._last_report = [], now
 
     def kv_usage(self) -> dict:
         cache = self.decoder.cache
@@ -123,20 +131,16 @@ class TargetModel:
                 "compute_s": self.compute_s, "health_probes": self.health_probes}
 
     def check_health(self) -> None:
-        """Run the real ONNX session on one token, so a stalled or broken model fails
-        Serve's health check and the replica is replaced; and re-register with a KV
-        manager that was restarted."""
+        """Probe the real ONNX session (``TargetWorker.probe``), so a stalled or broken
+        model fails Serve's health check and the replica is replaced; and re-register
+        with a KV manager that was restarted."""
         try:
             self._ensure_registered()
         except Exception as exc:  # noqa: BLE001 - the manager being away is not this replica's fault
             log.warning("KV manager not reachable yet (%s); will re-register on the next check", exc)
         self.health_probes += 1
-        decoder = self.decoder.decoder
-        one = np.zeros((1, 1), np.int64)
         with self._lock:
-            out = decoder.forward(one, np.ones((1, 1), np.int64), one, decoder.empty_past())
-        if not np.isfinite(out.logits).all():
-            raise RuntimeError("target model produced non-finite logits on the health probe")
+            self.worker.probe()
 
 
 def _carries_data(anchor) -> bool:

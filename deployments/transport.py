@@ -4,6 +4,7 @@ distributions inside them are ObjectRefs, which Ray passes along unresolved."""
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Hashable, Sequence
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
@@ -21,8 +22,12 @@ log = logging.getLogger("specserve.transport")
 
 
 class ServeTransport:
+    concurrent = True  # calls to replicas overlap: several lanes hide one lane's proposing behind another's verify
+
     def __init__(self, target: DeploymentHandle, proposers: dict[str, DeploymentHandle], kv_manager) -> None:
         self.target, self.proposers, self.kv_manager = target, proposers, kv_manager
+        # (mode, proposer replica) -> sequence-rounds it drafted for: which replicas really serve
+        self.drafted_by: Counter[tuple[str, str]] = Counter()
 
     async def kv_call(self, method: str, *args):
         """Call the KV manager; if it died, fetch the restarted one (a target replica
@@ -34,9 +39,9 @@ class ServeTransport:
             self.kv_manager = (await self.target.describe.remote())["kv_manager"]
             return await getattr(self.kv_manager, method).remote(*args)
 
-    async def admit(self, seq_id: Hashable, tokens: int, committed: Sequence[int], avoid: Sequence[str]) -> Grant:
+    async def admit(self, seq_id: Hashable, tokens: int, avoid: Sequence[str]) -> Grant:
         try:
-            return await self.kv_call("admit", seq_id, tokens, list(committed), list(avoid))
+            return await self.kv_call("admit", seq_id, tokens, list(avoid))
         except _GONE as exc:
             raise AdmissionError(f"the KV manager is restarting; retry shortly ({type(exc).__name__})") from exc
 
@@ -60,4 +65,15 @@ class ServeTransport:
 
     async def propose(self, mode: str, replica: str | None, items: list[ProposeItem],
                       releases: list[Hashable]) -> tuple[str | None, list[ProposeResult]]:
-        return await self.proposers[mode].propose.remote(items, releases, **{REPLICA_HINT: replica})
+        served_by, results = await self.proposers[mode].propose.remote(items, releases, **{REPLICA_HINT: replica})
+        drafted = sum(1 for r in results if r.tokens)
+        if drafted:
+            self.drafted_by[(mode, served_by)] += drafted
+        return served_by, results
+
+    def proposer_replicas(self) -> dict[str, dict[str, int]]:
+        """mode -> proposer replica -> sequence-rounds it returned drafts for."""
+        out: dict[str, dict[str, int]] = {}
+        for (mode, replica), rounds in self.drafted_by.items():
+            out.setdefault(mode, {})[replica] = rounds
+        return out

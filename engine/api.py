@@ -12,6 +12,7 @@ function call. The coordinator's loop lives on a background asyncio thread, so
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import threading
 import time
@@ -46,7 +47,7 @@ class GenerationResult:
     prompt_tokens: int
     logprobs: list[TokenLogprob] | None
     prefill_seconds: float   # from submission to the first token (admission wait included)
-    decode_seconds: float    # from the first token to the last
+    decode_seconds: float    # from the first token until ``generate`` returned
     speculative: SpeculativeStats = field(default_factory=SpeculativeStats)
 
     @property
@@ -78,6 +79,7 @@ class Engine:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None  # started on first use
+        self._thread: threading.Thread | None = None
 
     # -- loading ---------------------------------------------------------------------------
     def _load_proposers(self) -> dict[str, LoadedProposer]:
@@ -122,7 +124,7 @@ class Engine:
         driver, stamps = self._driver(prompt, options, on_token)
         started = time.perf_counter()
         asyncio.run_coroutine_threadsafe(self._run(driver), self._event_loop()).result()
-        return self._result(driver, started, stamps)
+        return self._result(driver, started, stamps, time.perf_counter())
 
     async def _run(self, driver: SequenceDriver) -> None:
         try:
@@ -144,21 +146,23 @@ class Engine:
         return self.factory.create(next(self._ids), prompt_ids, options, stamped), stamps
 
     @staticmethod
-    def _result(driver: SequenceDriver, started: float, stamps: list[float]) -> GenerationResult:
+    def _result(driver: SequenceDriver, started: float, stamps: list[float], returned: float) -> GenerationResult:
         state = driver.state
-        first, last = (stamps[0], stamps[-1]) if stamps else (started, started)
+        first = stamps[0] if stamps else returned
         return GenerationResult(text=state.text, token_ids=state.generated, finish_reason=state.finish_reason,
                                 prompt_tokens=state.prompt_len,
                                 logprobs=state.logprobs if state.options.logprobs else None,
-                                prefill_seconds=first - started, decode_seconds=last - first,
+                                prefill_seconds=first - started, decode_seconds=returned - first,
                                 speculative=driver.stats)
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         with self._lock:
             if self._loop is None:
                 loop = asyncio.new_event_loop()
-                threading.Thread(target=loop.run_forever, name="specserve-engine", daemon=True).start()
+                self._thread = threading.Thread(target=loop.run_forever, name="specserve-engine", daemon=True)
+                self._thread.start()
                 self._loop = loop
+                atexit.register(self.close)  # stop the coordinator's tasks before the interpreter tears down
             return self._loop
 
     def drain(self, timeout_s: float = 30.0) -> bool:
@@ -168,12 +172,28 @@ class Engine:
             return True
         return asyncio.run_coroutine_threadsafe(self.coordinator.drain(timeout_s), self._loop).result()
 
-    def close(self) -> None:
-        """Stop the loop thread (requests still running fail). The engine is unusable after."""
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Cancel the coordinator's tasks and stop the loop thread. Requests still running
+        fail; the engine cannot be used afterwards. Idempotent."""
         with self._lock:
             loop, self._loop = self._loop, None
-        if loop is not None:
+        if loop is None:
+            return
+        atexit.unregister(self.close)
+
+        async def cancel_tasks() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            asyncio.run_coroutine_threadsafe(cancel_tasks(), loop).result(timeout_s)
+        finally:
             loop.call_soon_threadsafe(loop.stop)
+            self._thread.join(timeout_s)
+            if not self._thread.is_alive():
+                loop.close()
 
     def __enter__(self) -> "Engine":
         return self

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -27,19 +28,29 @@ def heldout_prompts() -> list[str]:
 @pytest.fixture(scope="session")
 def target_engine() -> Engine:
     """The target alone (no proposers loaded besides model-free prompt lookup)."""
-    return Engine(TARGET_DIR, CPU_CONFIG.model_copy(update={"speculative": SpeculativeConfig(load=())}))
+    with Engine(TARGET_DIR, CPU_CONFIG.model_copy(update={"speculative": SpeculativeConfig(load=())})) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="session")
 def bundle_engine() -> Engine:
     """The whole bundle: target, draft model and every head."""
-    return Engine(MODELS, CPU_CONFIG)
+    with Engine(MODELS, CPU_CONFIG) as engine:
+        yield engine
 
 
-@pytest.fixture(scope="session")
-def draft_engine() -> Engine:
-    """The small draft model: cheap stand-in where a test needs any real decoder."""
-    return Engine(DRAFT_DIR, CPU_CONFIG)
+@pytest.fixture
+def make_engine():
+    """``make_engine(path, config)``: an engine of the test's own, closed after the test."""
+    engines: list[Engine] = []
+
+    def make(model_dir, config: EngineConfig) -> Engine:
+        engines.append(Engine(model_dir, config))
+        return engines[-1]
+
+    yield make
+    for engine in engines:
+        engine.close()
 
 
 def free_port() -> int:
@@ -51,18 +62,28 @@ def free_port() -> int:
 @contextmanager
 def running_server(args: dict | None = None, env: dict[str, str] | None = None, **ray_options):
     """specserve on a fresh local Ray head (127.0.0.1); yields its base URL and shuts
-    Ray down afterwards. ``env`` is set before Ray starts (its workers inherit it)."""
+    Ray down afterwards. ``args`` are merged into the defaults below, nested dicts key by
+    key (``{"engine": {"scheduler": {...}}}`` keeps the device and default mode). ``env``
+    is set before Ray starts (its workers inherit it)."""
     import ray
     from ray import serve
 
     from cluster.local import serve_local, start_local_ray
 
-    port = free_port()
+    def merged(base: dict, extra: dict) -> dict:
+        out = dict(base)
+        for key, value in extra.items():
+            out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
+                else value
+        return out
+
+    defaults = {"model_dir": "models", "engine": {"device": "cpu", "speculative": {"default_mode": "eagle3"}}}
+    port = free_port()  # picked when the server starts, never at import
     saved = {key: os.environ.get(key) for key in env or {}}
     os.environ.update(env or {})
     try:
         start_local_ray(**ray_options)
-        serve_local({"model_dir": "models", "device": "cpu", "default_mode": "eagle3", **(args or {})}, port=port)
+        serve_local(merged(defaults, args or {}), port=port)
         yield f"http://127.0.0.1:{port}"
     finally:
         for key, value in saved.items():
@@ -72,3 +93,36 @@ def running_server(args: dict | None = None, env: dict[str, str] | None = None, 
                 os.environ[key] = value
         serve.shutdown()
         ray.shutdown()
+
+
+def generate_concurrently(engine: Engine, jobs) -> list:
+    """One thread per (prompt, options[, on_token]); each job's result, or the exception
+    it raised (None if it never returned)."""
+    results: dict[int, object] = {}
+
+    def run(i):
+        try:
+            results[i] = engine.generate(*jobs[i])
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    return [results.get(i) for i in range(len(jobs))]
+
+
+def assert_everything_released(engine: Engine) -> None:
+    """Every KV block back -- target pages, ledger reservations, draft pages -- and no
+    worker still holding a sequence."""
+    assert engine.drain()
+    cache = engine.target.cache
+    assert cache.free_blocks == cache.num_blocks
+    usage = engine.transport.admission.usage()
+    assert usage["free_blocks"] == usage["total_blocks"] == cache.num_blocks and usage["sequences"] == 0
+    assert engine.transport.target.sequences == []
+    assert all(worker.sequences == [] for worker in engine.transport.proposers.values())
+    if engine.draft is not None:
+        assert engine.draft.cache.free_blocks == engine.draft.cache.num_blocks

@@ -1,7 +1,9 @@
 """Autoscaling on a real local Ray Serve: under load from concurrent streams a proposer
-deployment scales up from one replica, and back down when the load stops -- with every
-request still token-identical to the in-process engine (sequences that land on the new
-replica re-sync their drafting state; none of that can change the output)."""
+deployment scales up from one replica, the new replica really drafts for sequences (the
+router sees its drafts, and the replica itself counts them), and the deployment scales
+back down when the load stops -- with every request still token-identical to the
+in-process engine (sequences that land on the new replica re-sync their drafting state;
+none of that can change the output)."""
 from __future__ import annotations
 
 import json
@@ -47,6 +49,7 @@ def _stream(server: str, prompt: str) -> list[int]:
 
 
 def _wait_for(predicate, timeout_s: float) -> bool:
+    """Poll ``predicate`` every 0.5 s until it holds or ``timeout_s`` passes."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
@@ -55,8 +58,21 @@ def _wait_for(predicate, timeout_s: float) -> bool:
     return False
 
 
+def _drafted_by(first: str) -> dict[str, int]:
+    """Eagle3 sequence-rounds the router got drafts for, by proposer replica other than ``first``."""
+    from ray import serve
+
+    stats = serve.get_deployment_handle("Router", "specserve").scheduler_stats.remote().result()
+    return {replica: rounds for replica, rounds in stats["proposer_replicas"].get("eagle3", {}).items()
+            if replica != first and rounds > 0}
+
+
 def test_a_proposer_deployment_scales_up_under_load_and_back_down(server, bundle_engine, heldout_prompts):
+    from ray import serve
+
     assert _running_replicas("Eagle3Proposer") == 1
+    proposer = serve.get_deployment_handle("Eagle3Proposer", "specserve")
+    first = proposer.transport_stats.remote().result()["replica"]
     stop, results, peak = threading.Event(), [], [1]
 
     def client(i: int) -> None:
@@ -69,9 +85,15 @@ def test_a_proposer_deployment_scales_up_under_load_and_back_down(server, bundle
         for i in range(12):
             pool.submit(client, i)
         scaled_up = _wait_for(lambda: peak.append(_running_replicas("Eagle3Proposer")) or max(peak) >= 2, 60)
-        _wait_for(lambda: False, 3)  # keep the load on while the new replica serves sequences
+        # keep the load on until the new replica has drafted for sequences
+        served = scaled_up and _wait_for(lambda: bool(_drafted_by(first)), 30)
+        second = next(iter(_drafted_by(first)), None)
+        # ask that replica itself (the hint pins the call to it) while it is still up
+        own = proposer.transport_stats.remote(replica_hint=second).result() if second else {}
         stop.set()
     assert scaled_up, f"Eagle3Proposer never got a second replica (peak {max(peak)})"
+    assert served, "the second Eagle3Proposer replica never drafted for a sequence"
+    assert own["replica"] == second and own["drafted_rounds"] > 0, own
     assert _wait_for(lambda: _running_replicas("Eagle3Proposer") == 1, 60), "it never scaled back down"
     assert len(results) >= 12
     expected = {}

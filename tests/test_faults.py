@@ -1,11 +1,13 @@
 """Faults on a real local Ray Serve: a proposer replica, the target replica and the KV
 manager are killed with ``ray.kill`` in the middle of a stream. Each stream must still
 deliver exactly the in-process engine's greedy tokens -- nothing lost, nothing
-duplicated -- and every KV block must come back. (Its own Ray instance: the kills
-must not disturb the other integration tests.)"""
+duplicated -- every KV block must come back, and a recovered fault is counted, in the
+router and in Prometheus. (Its own Ray instance: the kills must not disturb the other
+integration tests.)"""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import httpx
@@ -13,14 +15,21 @@ import pytest
 
 from engine import GenerationOptions
 
-from .conftest import running_server
+from .conftest import free_port, running_server
 
 NEW_TOKENS = 160
 
 
 @pytest.fixture(scope="module")
-def server():
-    with running_server({"proposer_timeout_s": 2.0}) as url:
+def metrics_url() -> str:
+    return f"http://127.0.0.1:{free_port()}/metrics"
+
+
+@pytest.fixture(scope="module")
+def server(metrics_url):
+    port = int(metrics_url.rsplit(":", 1)[1].split("/")[0])
+    with running_server({"engine": {"scheduler": {"proposer_timeout_s": 2.0}}}, metrics_port=port,
+                        metrics_report_interval_ms=500) as url:
         yield url
 
 
@@ -63,6 +72,7 @@ def _expected(bundle_engine, prompt: str) -> list[int]:
 
 
 def _settled_kv(timeout_s: float = 60.0) -> dict:
+    """Poll (up to ``timeout_s``) until every KV block is free and no sequence is left."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -76,14 +86,32 @@ def _settled_kv(timeout_s: float = 60.0) -> dict:
         time.sleep(0.5)
 
 
+def _exported_faults(metrics_url: str, timeout_s: float = 30.0) -> dict[tuple[str, str], float]:
+    """``ray_specserve_recovered_faults_total`` by (kind, mode), polled until a series
+    appears (workers report every 500 ms here) or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        faults: dict[tuple[str, str], float] = {}
+        for line in httpx.get(metrics_url, timeout=10).text.splitlines():
+            if line.startswith("ray_specserve_recovered_faults_total{"):
+                labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+                key = (labels.get("kind", ""), labels.get("mode", ""))
+                faults[key] = faults.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+        if faults or time.monotonic() > deadline:
+            return faults
+        time.sleep(0.5)
+
+
 def test_health_checks_run_the_real_models(server):
     for name in ("TargetModel", "DraftModelProposer", "MtpProposer", "Eagle3Proposer", "SharedKvProposer"):
         assert _handle(name).check_health.remote().result() is None
     assert _handle("TargetModel").kv_usage.remote().result()["health_probes"] >= 1
 
 
-def test_a_killed_proposer_replica_costs_speed_not_tokens(server, bundle_engine, heldout_prompts):
+def test_a_killed_proposer_replica_costs_speed_not_tokens(server, metrics_url, bundle_engine, heldout_prompts):
     import ray
+
+    before = _handle("Router").scheduler_stats.remote().result()["recovered_faults"]
 
     def kill_proposer():
         replica = _handle("Eagle3Proposer").transport_stats.remote().result()["replica"]
@@ -91,7 +119,15 @@ def test_a_killed_proposer_replica_costs_speed_not_tokens(server, bundle_engine,
 
     ids = _stream_with_fault(server, heldout_prompts[0], "eagle3", kill_proposer)
     assert ids == _expected(bundle_engine, heldout_prompts[0])
-    assert _settled_kv()["free_blocks"] > 0
+    usage = _settled_kv()
+    assert usage["free_blocks"] == usage["total_blocks"] and usage["sequences"] == 0
+    # the lost proposer calls were logged and counted, not swallowed: in the router ...
+    after = _handle("Router").scheduler_stats.remote().result()["recovered_faults"]
+    lost = {kind: after.get(kind, 0) - before.get(kind, 0) for kind in ("proposer_failed", "proposer_timeout")}
+    assert sum(lost.values()) >= 1, after
+    # ... and in Prometheus, the series the Grafana dashboard plots
+    exported = _exported_faults(metrics_url)
+    assert sum(exported.get((kind, "eagle3"), 0) for kind in lost) >= 1, exported
 
 
 def test_a_killed_target_replica_is_replaced_and_the_stream_re_prefilled(server, bundle_engine, heldout_prompts):
@@ -126,7 +162,7 @@ def test_a_killed_kv_manager_is_restarted_and_no_request_returns_wrong_text(serv
             assert response.json()["choices"][0]["token_ids"] == expected
             break
         assert response.status_code == 503 and response.json()["error"]["message"], response.text
-        time.sleep(1)
+        time.sleep(1)  # a 503 means "retry later": one try a second, for at most the 90 s above
     assert statuses[-1] == 200, statuses
     usage = _settled_kv()
     assert usage["free_blocks"] == usage["total_blocks"] and usage["sequences"] == 0

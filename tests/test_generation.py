@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from engine import Engine, EngineConfig, GenerationOptions, KVCacheCapacityError, PromptTooLongError
+from engine.kv.block_ledger import AdmissionError
 from engine.spec.sequence import TokenEvent
 
 from .conftest import TARGET_DIR
@@ -27,7 +28,7 @@ def test_cached_decoding_matches_uncached_recomputation(target_engine, heldout_p
     for prompt in heldout_prompts[:10]:
         result = target_engine.generate(prompt, GenerationOptions(max_new_tokens=32, ignore_eos=True))
         assert result.token_ids == uncached_greedy(target_engine, prompt, 32)
-    assert target_engine.target.cache.used_blocks == 0
+    assert target_engine.drain() and target_engine.target.cache.used_blocks == 0
 
 
 def test_greedy_is_deterministic_and_top_k_1_equals_greedy(target_engine, heldout_prompts):
@@ -76,7 +77,7 @@ def test_eos_token_finishes_with_stop(target_engine, heldout_prompts, monkeypatc
     free = target_engine.generate(prompt, GenerationOptions(max_new_tokens=20, ignore_eos=True))
     fake_eos = free.token_ids[6]  # declare the 7th greedy token to be EOS for this test
     first = free.token_ids.index(fake_eos)
-    monkeypatch.setattr(target_engine.target, "eos_token_ids", (fake_eos,))
+    monkeypatch.setattr(target_engine.factory, "eos_token_ids", (fake_eos,))  # what new requests stop on
     result = target_engine.generate(prompt, GenerationOptions(max_new_tokens=20))
     assert result.finish_reason == "stop"
     assert result.token_ids == free.token_ids[: first + 1]
@@ -84,8 +85,8 @@ def test_eos_token_finishes_with_stop(target_engine, heldout_prompts, monkeypatc
     assert ignored.token_ids == free.token_ids
 
 
-def test_context_limit_finishes_with_length_and_too_long_prompt_is_rejected(heldout_prompts):
-    engine = Engine(TARGET_DIR, EngineConfig(device="cpu", max_context=60))
+def test_context_limit_finishes_with_length_and_too_long_prompt_is_rejected(heldout_prompts, make_engine):
+    engine = make_engine(TARGET_DIR, EngineConfig(device="cpu", max_context=60))
     prompt_ids = engine.tokenizer.encode(heldout_prompts[0])[:50]
     result = engine.generate(prompt_ids, GenerationOptions(max_new_tokens=100, ignore_eos=True))
     assert result.finish_reason == "length" and result.completion_tokens == 10
@@ -122,18 +123,27 @@ def test_streaming_deltas_rebuild_the_text_and_never_split_characters(target_eng
     assert events[-1].finish_reason == result.finish_reason and all(e.finish_reason is None for e in events[:-1])
 
 
-def test_cache_exhaustion_is_a_typed_error_and_leaks_no_blocks(heldout_prompts):
-    engine = Engine(TARGET_DIR, EngineConfig(device="cpu", kv_num_blocks=6, kv_block_size=16))
-    with pytest.raises(KVCacheCapacityError, match="needs"):
+def test_a_request_that_could_never_fit_is_a_typed_error_at_once_and_leaks_no_blocks(heldout_prompts, make_engine):
+    """6 blocks of 16 = 96 token slots; prompt + 64 new tokens can never fit, so admission
+    refuses it at once (it does not wait out ``admission_timeout_s``)."""
+    engine = make_engine(TARGET_DIR, EngineConfig(device="cpu", kv_num_blocks=6, kv_block_size=16))
+    with pytest.raises(AdmissionError, match="needs more KV than any") as info:
         engine.generate(heldout_prompts[0], GenerationOptions(max_new_tokens=64, ignore_eos=True))
-    assert engine.target.cache.used_blocks == 0
+    assert isinstance(info.value, KVCacheCapacityError)
     short = engine.generate("def f(x):\n", GenerationOptions(max_new_tokens=4))
     assert short.completion_tokens >= 1
+    assert engine.drain()
+    assert engine.target.cache.free_blocks == engine.target.cache.num_blocks == 6
+    assert engine.transport.admission.usage()["free_blocks"] == 6
 
 
-def test_sliding_window_generation_runs_within_the_window(heldout_prompts):
-    """With a window the cache never holds more than `window` tokens, yet decoding continues."""
-    engine = Engine(TARGET_DIR, EngineConfig(device="cpu", sliding_window=64, sink_tokens=4))
+def test_sliding_window_generation_runs_within_the_window(heldout_prompts, make_engine):
+    """With a window the cache never holds more than `window` tokens, yet decoding continues.
+    The pool (6 blocks of 16 = 96 slots) is smaller than prompt + new tokens (154): admission
+    reserves only what the window can ever hold (1 sink block + 4 window blocks + 1 in
+    flight), so the request is admitted, and runs in exactly that reservation."""
+    engine = make_engine(TARGET_DIR, EngineConfig(device="cpu", sliding_window=64, sink_tokens=4, kv_num_blocks=6))
+    assert len(engine.tokenizer.encode(heldout_prompts[0])) + 40 > 6 * 16
     seen = []
     original = engine.target.feed_batch
 
@@ -145,5 +155,6 @@ def test_sliding_window_generation_runs_within_the_window(heldout_prompts):
     engine.target.feed_batch = spy
     result = engine.generate(heldout_prompts[0], GenerationOptions(max_new_tokens=40, ignore_eos=True))
     assert result.completion_tokens == 40 and max(seen) == 64
+    assert engine.drain() and engine.target.cache.used_blocks == 0
     with pytest.raises(ValueError, match="full-attention KV cache"):
         engine.generate(heldout_prompts[0], GenerationOptions(speculative_mode="prompt_lookup"))

@@ -1,12 +1,16 @@
 """Tests of the paged KV cache against a plain dense reference model."""
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from engine.kv.admission import Admission
+from engine.kv.block_ledger import AdmissionError, BlockLedger
 from engine.kv.paged_cache import (
     KVCacheCapacityError,
     KVCacheError,
@@ -139,12 +143,14 @@ class CacheMachine(RuleBasedStateMachine):
     def rewind(self, data):
         sid = data.draw(st.sampled_from(sorted(self.ref.kv)))
         length = data.draw(st.integers(0, self.ref.length(sid)))
-        free_before, table_len_before = self.cache.free_blocks, len(self.cache.block_table(sid))
+        free_before, table_before = self.cache.free_blocks, self.cache.block_table(sid)
         self.cache.rewind(sid, length)
         self.ref.rewind(sid, length)
         expected_len, _ = self.ref.expected_table_shape(sid, BLOCK)
-        assert len(self.cache.block_table(sid)) == expected_len <= table_len_before
-        assert self.cache.free_blocks >= free_before
+        table = self.cache.block_table(sid)
+        assert len(table) == expected_len <= len(table_before)
+        dropped = [b for b in table_before if b is not None and b not in table]
+        assert self.cache.free_blocks == free_before + len(dropped)  # exactly the blocks it gave up
 
     @precondition(lambda self: self.ref.kv)
     @rule(data=st.data())
@@ -450,3 +456,71 @@ def test_a_reservation_of_blocks_in_use_is_refused():
     with pytest.raises(KVCacheCapacityError, match="not all free"):
         cache.add_sequence("b", reserved=[used])
     assert not cache.has_sequence("b") and cache.free_blocks == 3
+
+
+# ---------------------------------------------------------------------- the block ledger and admission
+
+
+def test_the_ledger_reserves_whole_requests_on_the_roomiest_pool_and_refuses_what_never_fits():
+    ledger = BlockLedger()
+    ledger.register_pool("a", num_blocks=4, block_size=16)
+    ledger.register_pool("b", num_blocks=8, block_size=16)
+    first = ledger.try_admit("s1", 40)               # 3 blocks, on the larger pool
+    assert first.replica == "b" and len(first.blocks) == 3
+    assert ledger.try_admit("s2", 64).replica == "b"  # b still has 5 free, a has 4
+    assert ledger.try_admit("s3", 64).replica == "a"
+    assert ledger.try_admit("s4", 40) is None         # 1 + 0 free: wait
+    with pytest.raises(AdmissionError, match="more KV than any"):
+        ledger.try_admit("huge", 16 * 9)
+    with pytest.raises(ValueError, match="already admitted"):
+        ledger.try_admit("s1", 16)
+    assert ledger.usage() == {"replicas": 2, "total_blocks": 12, "free_blocks": 1, "reserved_blocks": 11,
+                              "sequences": 3}
+    for seq in ("s1", "s2", "s3"):
+        assert ledger.release(seq)
+    assert ledger.usage()["free_blocks"] == 12 and not ledger.release("s1")
+    assert sorted(ledger._pools["b"].free) == list(range(8))
+
+
+def test_a_rebuilt_ledger_never_grants_a_live_block_twice():
+    ledger = BlockLedger()
+    ledger.register_pool("a", num_blocks=6, block_size=16, live={"old": [0, 4]})
+    assert ledger.usage()["free_blocks"] == 4
+    grant = ledger.try_admit("new", 64)
+    assert sorted(grant.blocks) == [1, 2, 3, 5]
+    assert ledger.drop_pool("a") == ["old", "new"] and ledger.try_admit("later", 16) is None  # no pool: wait
+
+
+def test_admission_waits_for_room_and_admits_when_a_request_leaves():
+    async def scenario():
+        admission = Admission(timeout_s=30)
+        await admission.register_pool("p", num_blocks=4, block_size=16)
+        running = await admission.admit("running", 48)           # 3 of 4 blocks
+        waiting = asyncio.ensure_future(admission.admit("waiting", 32))
+        for _ in range(5):
+            await asyncio.sleep(0)                               # let it try (and wait)
+        assert not waiting.done() and admission.usage()["sequences"] == 1
+        assert await admission.release("running")
+        grant = await asyncio.wait_for(waiting, 5)
+        return running, grant, admission.usage()
+
+    running, grant, usage = asyncio.run(scenario())
+    assert len(grant.blocks) == 2 and set(grant.blocks) <= set(range(4))
+    assert usage["free_blocks"] == 2 and usage["sequences"] == 1
+
+
+def test_admission_gives_up_after_its_timeout_but_refuses_what_never_fits_at_once():
+    async def scenario():
+        admission = Admission(timeout_s=0.05)
+        await admission.register_pool("p", num_blocks=4, block_size=16)
+        await admission.admit("running", 48)
+        with pytest.raises(AdmissionError, match="after waiting 0.05 s .1 of 4 blocks free, 1 sequences"):
+            await admission.admit("late", 32)
+        patient = Admission(timeout_s=3600)
+        await patient.register_pool("p", num_blocks=4, block_size=16)
+        with pytest.raises(AdmissionError, match="more KV than any"):
+            await asyncio.wait_for(patient.admit("huge", 80), 5)  # at once, not after an hour
+        return admission.usage()
+
+    usage = asyncio.run(scenario())
+    assert usage["free_blocks"] == 1 and usage["sequences"] == 1  # the failed admission took nothing

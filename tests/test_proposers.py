@@ -1,20 +1,23 @@
 """Ports of the seed's proposer unit tests, run against the bundled heads and real caches."""
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 
 from engine import GenerationOptions
 from engine.model.heads import load_head
 from engine.kv.paged_cache import LayerGeometry, PagedKVCache
-from engine.spec.proposers.base import AcceptContext, Proposal, ProposerContext, StatelessProposer
+from engine.sched.metrics import RoundMetrics
+from engine.sched.proposer_worker import ProposeItem, ProposerWorker
+from engine.spec.proposers.base import Proposal, ProposerContext, StatelessProposer
 from engine.spec.proposers.eagle3 import Eagle3Proposer
 from engine.spec.proposers.mtp import MtpProposer
 from engine.spec.proposers.prompt_lookup import PromptLookupProposer
+from engine.spec.proposers.registry import LoadedProposer
 from engine.spec.proposers.shared_kv import SharedKvProposer, shared_kv_slices
-from engine.spec.rounds import decode
-from engine.spec.sequence import SequenceState
-from engine.spec.stats import SpeculativeStats
+from engine.spec.reference import speculative_decode
 
 from .conftest import MODELS
 
@@ -22,8 +25,7 @@ OPTIONS = GenerationOptions()
 
 
 def context(tokens, width, **extra) -> ProposerContext:
-    return ProposerContext(width=width, context_tokens=tokens, generated_tokens=[], generated_text="", step=0,
-                           options=OPTIONS, **extra)
+    return ProposerContext(width=width, context_tokens=tokens, options=OPTIONS, **extra)
 
 
 # -- prompt lookup (seed: ngram_proposer_*) -------------------------------------------------
@@ -73,62 +75,94 @@ def test_shared_kv_slices_pick_per_layer_geometry():
 
 
 # -- heads with the bundled weights ---------------------------------------------------------
+def head(engine, mode):
+    return engine.proposers[mode].model
+
+
+def prefill_state(engine, prompt: str, seq_id: str) -> dict:
+    """Hidden states and shared-KV slices the target exposes after prefilling a prompt,
+    and the target's greedy continuation (the first entry is the pending token)."""
+    target = engine.target
+    ids = target.encode_prompt(prompt)
+    eagle_inputs = head(engine, "eagle3").config["target_hidden_inputs"]["fused_hidden"]
+    target.cache.add_sequence(seq_id)
+    try:
+        out = target.feed(seq_id, ids, 0)
+        slices = shared_kv_slices(target.cache, seq_id, head(engine, "shared_kv").config["shared_kv_groups"])
+    finally:
+        target.cache.free(seq_id)
+    greedy = engine.generate(ids, GenerationOptions(max_new_tokens=6, ignore_eos=True,
+                                                    speculative_mode="none")).token_ids
+    assert greedy[0] == int(np.argmax(out.logits[-1]))
+    return dict(tokens=ids + greedy[:1], final=out.extras["hidden_states"][-1], greedy=greedy,
+                layers=tuple(out.extras[n][-1] for n in eagle_inputs), slices=slices)
+
+
 @pytest.fixture(scope="module")
 def target_state(bundle_engine, heldout_prompts):
-    """Hidden states the target exposes after prefilling a held-out prompt."""
-    target = bundle_engine.target
-    ids = target.encode_prompt(heldout_prompts[9])
-    target.cache.add_sequence("probe")
-    try:
-        out = target.feed("probe", ids, 0)
-        slices = shared_kv_slices(target.cache, "probe", bundle_engine.heads["shared_kv"].config["shared_kv_groups"])
-    finally:
-        target.cache.free("probe")
-    names = bundle_engine.heads["eagle3"].config["target_hidden_inputs"]["fused_hidden"]
-    guaranteed = int(np.argmax(out.logits[-1]))
-    return dict(tokens=ids + [guaranteed], final=out.extras["hidden_states"][-1],
-                layers=tuple(out.extras[n][-1] for n in names), slices=slices)
+    assert bundle_engine.drain()  # the probe borrows the engine's target pool
+    return prefill_state(bundle_engine, heldout_prompts[9], "probe-a")
 
 
-def test_mtp_proposer_uses_real_head_and_returns_k_drafts(bundle_engine, target_state):
-    proposer = MtpProposer(bundle_engine.heads["mtp"])
-    proposal = proposer.propose(context(target_state["tokens"], 5, target_hidden=target_state["final"]))
-    assert proposer.name == "mtp" and len(proposal.tokens) == 4 and proposal.probs is None
+@pytest.fixture(scope="module")
+def other_state(bundle_engine, heldout_prompts):
+    """A second prompt of another length, for batched proposals."""
+    assert bundle_engine.drain()
+    return prefill_state(bundle_engine, heldout_prompts[10], "probe-b")
+
+
+def head_context(mode, state, width) -> ProposerContext:
+    extra = dict(target_hidden=state["final"])
+    if mode == "eagle3":
+        extra["target_hidden_layers"] = state["layers"]
+    if mode == "shared_kv":
+        extra["shared_kv"] = state["slices"]
+    return context(state["tokens"], width, **extra)
+
+
+PROPOSERS = {"mtp": MtpProposer, "eagle3": Eagle3Proposer, "shared_kv": SharedKvProposer}
+
+
+@pytest.mark.parametrize("mode", list(PROPOSERS))
+def test_heads_draft_the_targets_own_continuation(mode, bundle_engine, target_state):
+    proposer = PROPOSERS[mode](head(bundle_engine, mode))
+    proposal = proposer.propose(head_context(mode, target_state, 5))
+    assert proposer.name == mode and len(proposal.tokens) == 4 and proposal.probs is None
     assert all(0 <= t < bundle_engine.target.decoder.vocab_size for t in proposal.tokens)
-    assert proposer.past_len == 4  # one head-KV entry per draft step
+    # The drafts follow the pending token; a working head gets the first of them right here.
+    assert proposal.tokens[0] == target_state["greedy"][1], (proposal.tokens, target_state["greedy"])
+
+
+@pytest.mark.parametrize("mode", list(PROPOSERS))
+def test_a_batched_proposal_gives_each_sequence_its_solo_drafts(mode, bundle_engine, target_state, other_state):
+    """Heads draft for a whole batch in one run per step: rows of different context
+    lengths (padded, masked) and widths must each get exactly their solo drafts."""
+    proposer = PROPOSERS[mode](head(bundle_engine, mode))
+    assert proposer.batchable
+    contexts = [head_context(mode, target_state, 5), head_context(mode, other_state, 3)]
+    assert len(target_state["tokens"]) != len(other_state["tokens"])
+    solo = [proposer.propose(c) for c in contexts]
+    assert proposer.propose_batch(contexts) == solo
+    assert [len(p.tokens) for p in solo] == [4, 2] and solo[0].tokens != solo[1].tokens
+
+
+def test_heads_refuse_a_context_without_what_they_need(bundle_engine, target_state):
     with pytest.raises(ValueError, match="last hidden state"):
-        proposer.propose(context(target_state["tokens"], 5))
-
-
-def test_eagle3_proposer_returns_shape_correct_target_ids(bundle_engine, target_state):
-    proposer = Eagle3Proposer(bundle_engine.heads["eagle3"])
-    proposal = proposer.propose(context(target_state["tokens"], 4, target_hidden=target_state["final"],
-                                        target_hidden_layers=target_state["layers"]))
-    assert proposer.name == "eagle3" and len(proposal.tokens) == 3
-    draft_vocab = bundle_engine.heads["eagle3"].config["draft_vocab_size"]
-    allowed = set((np.arange(draft_vocab) + bundle_engine.heads["eagle3"].d2t).tolist())
-    assert set(proposal.tokens) <= allowed  # mapped from the reduced draft vocabulary
+        MtpProposer(head(bundle_engine, "mtp")).propose(context(target_state["tokens"], 5))
     with pytest.raises(ValueError, match="exactly three target hidden states"):
-        proposer.propose(context(target_state["tokens"], 4, target_hidden_layers=target_state["layers"][:2]))
-
-
-def test_eagle3_accept_then_propose_resets_draft_state(bundle_engine, target_state):
-    proposer = Eagle3Proposer(bundle_engine.heads["eagle3"])
-    ctx = context(target_state["tokens"], 3, target_hidden=target_state["final"],
-                  target_hidden_layers=target_state["layers"])
-    first = proposer.propose(ctx)
-    proposer.accept(AcceptContext(2, first.tokens[:2], list(target_state["tokens"]) + first.tokens[:2]))
-    assert proposer.propose(ctx) == first
-
-
-def test_shared_kv_proposer_bootstraps_then_drafts(bundle_engine, target_state):
-    proposer = SharedKvProposer(bundle_engine.heads["shared_kv"])
-    ctx = context(target_state["tokens"], 4, target_hidden=target_state["final"], shared_kv=target_state["slices"])
-    proposal = proposer.propose(ctx)
-    assert proposer.name == "shared_kv" and len(proposal.tokens) == 3  # bootstrap step's draft discarded
-    assert proposer.propose(ctx) == proposal  # no state of its own
+        Eagle3Proposer(head(bundle_engine, "eagle3")).propose(
+            context(target_state["tokens"], 4, target_hidden_layers=target_state["layers"][:2]))
     with pytest.raises(ValueError, match="shared-KV slices"):
-        proposer.propose(context(target_state["tokens"], 4, target_hidden=target_state["final"]))
+        SharedKvProposer(head(bundle_engine, "shared_kv")).propose(
+            context(target_state["tokens"], 4, target_hidden=target_state["final"]))
+
+
+def test_eagle3_maps_the_reduced_draft_vocabulary_to_target_ids(bundle_engine, target_state):
+    eagle = head(bundle_engine, "eagle3")
+    proposal = Eagle3Proposer(eagle).propose(head_context("eagle3", target_state, 4))
+    allowed = set((np.arange(eagle.config["draft_vocab_size"]) + eagle.d2t).tolist())
+    assert eagle.config["draft_vocab_size"] < bundle_engine.target.decoder.vocab_size
+    assert set(proposal.tokens) <= allowed
 
 
 def test_heads_reject_a_target_of_another_width(bundle_engine):
@@ -159,37 +193,73 @@ def test_round_loop_drives_any_proposer_and_reports_acceptance(bundle_engine, he
     prompt = target.encode_prompt(heldout_prompts[11])
     expected = bundle_engine.generate(prompt, GenerationOptions(max_new_tokens=6, ignore_eos=True)).token_ids
     stub = StubProposer(expected[1:3] + [0])  # right, right, then wrong
-    state = SequenceState(prompt, GenerationOptions(max_new_tokens=6, ignore_eos=True), target.tokenizer,
-                          target.eos_token_ids, target.max_context)
-    target.cache.add_sequence("stub")
-    try:
-        decode(target, "stub", state, stub, 3, np.random.default_rng(0), SpeculativeStats())
-    finally:
-        target.cache.free("stub")
+    assert expected[3] != 0
+    assert bundle_engine.drain()  # the reference loop borrows the engine's target pool
+    state, stats = speculative_decode(target, prompt, GenerationOptions(max_new_tokens=6, ignore_eos=True), stub, 3)
     assert state.generated == expected
+    assert stats.proposed_per_position[2] >= 1 and len(stats.accepted_per_position) == 2  # 3rd never right
     assert stub.accepted[0] == (2, expected[1:4], len(prompt) + 4)
     assert stub.widths[0] == 4 and stub.widths[-1] <= 6 - 4 + 1
 
 
 def test_a_full_draft_pool_means_no_drafts_not_a_failed_request(bundle_engine, heldout_prompts):
+    from engine.config import EngineConfig
     from engine.model.cached_decoder import CachedDecoder
-    from engine.options import EngineConfig
     from engine.spec.proposers.draft_model import DraftModelProposer
 
     tiny_draft = CachedDecoder(MODELS / "draft", EngineConfig(device="cpu", kv_num_blocks=2, kv_block_size=16))
     target = bundle_engine.target
     prompt = target.encode_prompt(heldout_prompts[12])
     assert len(prompt) > 32  # more than the tiny pool holds
-    options = GenerationOptions(max_new_tokens=12, ignore_eos=True)
+    options = GenerationOptions(max_new_tokens=12, ignore_eos=True, speculative_mode="none")
     expected = bundle_engine.generate(prompt, options).token_ids
-    state = SequenceState(prompt, options, target.tokenizer, target.eos_token_ids, target.max_context)
-    stats = SpeculativeStats()
+    assert bundle_engine.drain()
     proposer = DraftModelProposer(tiny_draft)
-    target.cache.add_sequence("tiny")
     try:
-        decode(target, "tiny", state, proposer, 4, np.random.default_rng(0), stats)
+        state, stats = speculative_decode(target, prompt, options, proposer, 4)
     finally:
-        target.cache.free("tiny")
         proposer.close()
-    assert state.generated == expected and stats.proposed_tokens == 0
+    assert state.generated == expected and stats.proposed_tokens == 0 and stats.verification_steps == 11
     assert tiny_draft.cache.used_blocks == 0
+
+
+# -- the proposer worker isolates failures and says so ----------------------------------------
+POISON = 13
+
+
+class BatchDrafter(StatelessProposer):
+    """Drafts ``last + 1`` repeatedly; a context ending in ``POISON`` makes it raise, in a
+    batch and alone (a proposer that breaks on one sequence's input)."""
+
+    name = "batch_drafter"
+    batchable = True
+    batches: list[int] = []
+
+    def propose(self, ctx):
+        if ctx.context_tokens[-1] == POISON:
+            raise RuntimeError("cannot draft after the poison token")
+        return Proposal([ctx.context_tokens[-1] + 1] * ctx.max_drafts)
+
+    def propose_batch(self, contexts):
+        self.batches.append(len(contexts))
+        return [self.propose(c) for c in contexts]
+
+
+def test_a_failing_batched_proposal_is_retried_one_by_one_logged_and_counted(caplog):
+    metrics = RoundMetrics()
+    BatchDrafter.batches = []
+    worker = ProposerWorker(LoadedProposer("batch_drafter", BatchDrafter, None), metrics)
+    items = [ProposeItem(f"s{i}", 3, 0, [1, 2, last], OPTIONS) for i, last in enumerate((5, POISON, 7))]
+    with caplog.at_level(logging.WARNING, logger="specserve.proposer"):
+        results = worker.propose(items)
+    assert BatchDrafter.batches == [3]  # one batched call for the three, which failed
+    assert [r.tokens for r in results] == [[6, 6], [], [8, 8]]
+    assert [r.error is not None for r in results] == [False, True, False] and results[1].resync
+    assert "cannot draft after the poison token" in results[1].error
+    assert metrics.faults == {"propose_batch_failed": 1}
+    assert "batched proposal for 3 sequences failed" in caplog.text
+    assert sorted(worker.sequences) == ["s0", "s2"]  # the failed one starts over next round
+    # The next round batches the healthy sequences again, from what they already hold.
+    again = worker.propose([ProposeItem("s0", 2, 3, [6], None, 1), ProposeItem("s2", 2, 3, [8], None, 1)])
+    assert [r.tokens for r in again] == [[7], [9]] and BatchDrafter.batches == [3, 2]
+    assert metrics.faults == {"propose_batch_failed": 1}

@@ -25,5 +25,5 @@ def test_a_short_soak_in_every_mode_has_no_errors_no_drift_and_no_kv_leak(server
     assert summary["identity_checked"] == summary["requests_completed"]
     assert summary["identity_failures"] == 0, summary["identity_failure_samples"]
     kv = summary["kv"]
-    assert kv["free_blocks_end"] == kv["free_blocks_start"] and kv["sequences_end"] == 0
+    assert kv["free_blocks_end"] == kv["free_blocks_start"] == kv["total_blocks"] and kv["sequences_end"] == 0
     assert all(summary["completed_by_mode"][mode] >= 1 for mode in MODES), summary["completed_by_mode"]

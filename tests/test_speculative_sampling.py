@@ -1,18 +1,23 @@
-"""Speculative sampling has exactly the target's output distribution.
+"""Speculative sampling has exactly the target's output distribution -- through the
+production path.
 
-A small-vocabulary model built for the test: bigram "decoders" exported as real ONNX
-graphs (logits = table[last token]; a KV past that just records the tokens), run by real
-onnxruntime through the real cache and round loop, with the draft model sampling its
-own distribution q. Because the target is a bigram table, the exact distribution of the
-first tokens is known in closed form, so a chi-square goodness-of-fit test can compare
-speculative samples against it. The same test fails for a deliberately broken
-acceptance rule, which proves it can fail.
+A small-vocabulary bundle built for the test: bigram "decoders" exported as real ONNX
+graphs (logits = table[last token]; a KV past that just records the tokens), with a
+``manifest.json`` naming one the target and the other the draft model. The real
+``Engine`` serves it: requests are admitted and batched by the round coordinator, the
+draft model proposes through the proposer worker (sampling its own distribution q from
+the drafter's generator), and the target worker verifies with ``spec/rounds.verify``.
+Because the target is a bigram table, the exact distribution of the first tokens is
+known in closed form, so a chi-square goodness-of-fit test can compare the engine's
+samples (one request per seed) against it. The same test fails for a deliberately
+broken acceptance rule, which proves it can fail.
 """
 from __future__ import annotations
 
 import itertools
 import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -22,14 +27,10 @@ from onnx import TensorProto, helper, numpy_helper
 from tokenizers import Tokenizer, models
 
 import engine.spec.rounds as rounds
-from engine import GenerationOptions
-from engine.model.cached_decoder import CachedDecoder
-from engine.options import EngineConfig
-from engine.spec.proposers.draft_model import DraftModelProposer
-from engine.spec.sequence import SequenceState
-from engine.spec.stats import SpeculativeStats
-from engine.spec.verify import Verdict
+from engine import Engine, EngineConfig, GenerationOptions, SchedulerConfig
+from engine.model.manifest import BundleManifest
 from engine.spec.sampling import sample, token_distribution
+from engine.spec.verify import Verdict
 
 VOCAB = 4
 NEW_TOKENS = 4
@@ -66,16 +67,47 @@ def build_bigram_model(directory: Path, table: np.ndarray) -> Path:
     return directory
 
 
+def bundle_manifest(entries: dict[str, Path]) -> BundleManifest:
+    """The least a valid manifest needs; the numbers describe the bigram models, and no
+    loader reads the records of training and corpus."""
+    training = dict(seed=0, steps=0, batch_size=1, seq_len=1, learning_rate=0.0, objective="none", tokens_seen=0,
+                    seconds=0.0)
+    architecture = dict(vocab_size=VOCAB, hidden_size=1, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=1,
+                        intermediate_size=1, max_position_embeddings=64, rope_theta=1.0, rms_norm_eps=1e-6)
+    return BundleManifest.model_validate(dict(
+        tokenizer="tokenizer.json", eos_token="a", eos_token_id=0,
+        corpus=dict(source="bigram tables", python_version="-", root="-", selection="-", heldout_rule="-",
+                    train_files={}, heldout_files={}, train_tokens=0, heldout_tokens=0,
+                    unigram_cross_entropy_nats=math.log(VOCAB)),
+        models={role: dict(role=role, directory=path.name, onnx="model.onnx", weights="none", config="config.json",
+                           tokenizer="tokenizer.json", parameters=VOCAB * VOCAB, architecture=architecture,
+                           hidden_outputs=dict(final="logits"), heldout_loss_nats=0.0, training=training)
+                for role, path in entries.items()},
+        arrays={}))
+
+
 @pytest.fixture(scope="module")
-def bigram_pair(tmp_path_factory):
+def bigram_bundle(tmp_path_factory):
+    """(the bundle directory, the target's bigram table)."""
     rng = np.random.default_rng(7)
     target_table = rng.dirichlet(np.ones(VOCAB) * 0.8, size=VOCAB)
     draft_table = 0.5 * target_table + 0.5 * rng.dirichlet(np.ones(VOCAB), size=VOCAB)  # q != p, overlapping
     root = tmp_path_factory.mktemp("bigram")
-    config = EngineConfig(device="cpu", intra_op_threads=1)
-    target = CachedDecoder(build_bigram_model(root / "target", target_table), config)
-    draft = CachedDecoder(build_bigram_model(root / "draft", draft_table), config)
-    return target, draft, target_table
+    entries = {"target": build_bigram_model(root / "target", target_table),
+               "draft": build_bigram_model(root / "draft", draft_table)}
+    bundle_manifest(entries).save(root)
+    return root, target_table
+
+
+@pytest.fixture(scope="module")
+def bigram_engine(bigram_bundle):
+    """The real engine on the bigram bundle; a batch holds 64 concurrent requests."""
+    root, _ = bigram_bundle
+    engine = Engine(root, EngineConfig(device="cpu", intra_op_threads=1,
+                                       scheduler=SchedulerConfig(max_batch_size=64)))
+    assert engine.available_modes == ["none", "prompt_lookup", "draft_model"] and engine.draft is not None
+    yield engine
+    engine.close()
 
 
 def exact_distribution(table: np.ndarray) -> dict[tuple, float]:
@@ -88,21 +120,18 @@ def exact_distribution(table: np.ndarray) -> dict[tuple, float]:
     return out
 
 
-def draw(target: CachedDecoder, draft: CachedDecoder | None, n: int, seed: int) -> list[tuple]:
-    options = GenerationOptions(max_new_tokens=NEW_TOKENS, temperature=1.0, ignore_eos=True)
-    rng = np.random.default_rng(seed)
-    samples = []
-    for i in range(n):
-        state = SequenceState(PROMPT, options, target.tokenizer, (), target.max_context)
-        proposer = DraftModelProposer(draft) if draft is not None else None
-        target.cache.add_sequence(i)
-        try:
-            rounds.decode(target, i, state, proposer, 3, rng, SpeculativeStats())
-        finally:
-            target.cache.free(i)
-            if proposer is not None:
-                proposer.close()
-        samples.append(tuple(state.generated))
+def draw(engine: Engine, mode: str, n: int, first_seed: int) -> list[tuple]:
+    """``n`` independent samples: one request per seed, submitted concurrently so the
+    coordinator batches them (as a server under load would)."""
+    def one(seed: int) -> tuple:
+        options = GenerationOptions(max_new_tokens=NEW_TOKENS, temperature=1.0, ignore_eos=True, seed=seed,
+                                    speculative_mode=mode, num_speculative_tokens=3)
+        return tuple(engine.generate(PROMPT, options).token_ids)
+
+    with ThreadPoolExecutor(max_workers=64) as pool:
+        samples = list(pool.map(one, range(first_seed, first_seed + n)))
+    assert engine.drain()
+    assert engine.target.cache.used_blocks == 0 and engine.draft.cache.used_blocks == 0
     return samples
 
 
@@ -127,16 +156,19 @@ def chi_square_p_value(samples: list[tuple], expected: dict[tuple, float]) -> fl
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
-def test_speculative_sampling_matches_the_target_distribution(bigram_pair):
-    target, draft, table = bigram_pair
-    samples = draw(target, draft, DRAWS, seed=1)
+def test_speculative_sampling_matches_the_target_distribution(bigram_engine, bigram_bundle):
+    _, table = bigram_bundle
+    before = bigram_engine.cumulative_stats.get("draft_model")
+    samples = draw(bigram_engine, "draft_model", DRAWS, first_seed=1)
+    stats = bigram_engine.cumulative_stats["draft_model"]
+    assert before is None and stats.proposed_tokens > DRAWS  # the draft model really proposed ...
+    assert 0.2 < stats.acceptance_rate < 0.95                # ... and was neither always right nor always wrong
     assert chi_square_p_value(samples, exact_distribution(table)) > 0.01
-    assert target.cache.used_blocks == 0 and draft.cache.used_blocks == 0
 
 
-def test_target_only_sampling_matches_too(bigram_pair):
-    target, _, table = bigram_pair
-    assert chi_square_p_value(draw(target, None, 4000, seed=2), exact_distribution(table)) > 0.01
+def test_target_only_sampling_matches_too(bigram_engine, bigram_bundle):
+    _, table = bigram_bundle
+    assert chi_square_p_value(draw(bigram_engine, "none", 4000, first_seed=1), exact_distribution(table)) > 0.01
 
 
 def broken_verify(logits, drafts, draft_probs, context, options, rng):
@@ -151,7 +183,10 @@ def broken_verify(logits, drafts, draft_probs, context, options, rng):
     return Verdict(len(drafts), sample(token_distribution(logits[-1], prefix, options), rng))
 
 
-def test_a_broken_acceptance_rule_fails_the_same_test(bigram_pair, monkeypatch):
-    target, draft, table = bigram_pair
+def test_a_broken_acceptance_rule_fails_the_same_test(bigram_engine, bigram_bundle, monkeypatch):
+    """The target worker verifies with ``rounds.verify``: break it, and the engine's
+    samples must fail the very check the real rule passes (same seeds)."""
+    _, table = bigram_bundle
     monkeypatch.setattr(rounds, "verify", broken_verify)
-    assert chi_square_p_value(draw(target, draft, DRAWS, seed=1), exact_distribution(table)) < 0.01
+    assert chi_square_p_value(draw(bigram_engine, "draft_model", DRAWS, first_seed=1),
+                              exact_distribution(table)) < 0.01

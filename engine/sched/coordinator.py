@@ -3,9 +3,10 @@
 The coordinator owns request lifecycles and the tick loop. Each tick advances every
 active sequence of a *lane* by one round with one proposer call per (mode, replica) and
 one target call per target replica -- never one call per request -- and commits what
-comes back through each request's ``SequenceDriver``. Several lanes run concurrently,
-so one lane's proposer work overlaps another lane's target pass (the one thing a
-disaggregated design can do that a single-process engine cannot).
+comes back through each request's ``SequenceDriver``. Over a transport whose calls can
+overlap (remote workers), several lanes run concurrently, so one lane's proposer work
+overlaps another lane's target pass (the one thing a disaggregated design can do that
+a single-process engine cannot); in-process there is one lane.
 
 The ``Transport`` is the only thing that differs between the two ways specserve runs:
 the in-process ``Engine`` moves items by plain function calls (``LocalTransport``), the
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -30,6 +32,14 @@ from engine.sched.sequence_driver import SequenceDriver
 from engine.sched.target_worker import PrefillItem, TargetResult, VerifyItem
 
 log = logging.getLogger("specserve.coordinator")
+
+
+async def _within(call, seconds: float):
+    """``call`` or ``TimeoutError`` after ``seconds`` (without a task per call on 3.11+)."""
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(seconds):
+            return await call
+    return await asyncio.wait_for(call, seconds)
 
 
 class TargetUnavailableError(EngineError):
@@ -78,6 +88,7 @@ class _Lane:
     target_releases: dict[str, list[Hashable]] = field(default_factory=lambda: defaultdict(list))
     proposer_releases: dict[tuple[str, str | None], list[Hashable]] = field(default_factory=lambda: defaultdict(list))
     kv_releases: list[Hashable] = field(default_factory=list)
+    released_again: set = field(default_factory=set)  # proposer releases already re-sent once after a failed call
     task: asyncio.Task | None = None
     ticking: bool = False  # releases are in flight inside a tick
 
@@ -187,6 +198,11 @@ class RoundCoordinator:
                 lane.ticking = False
             if lane.runs and all(r.grant is None for r in lane.runs) and not lane.kv_releases:
                 await asyncio.sleep(0.01)  # only re-admissions pending: do not spin
+            else:
+                # Yield to the loop between ticks: in-process transport calls never suspend, so
+                # without this, requests arriving (or woken by freed blocks) during a busy lane
+                # would not even be admitted until the lane ran out of work.
+                await asyncio.sleep(0)
 
     # -- one tick ------------------------------------------------------------------------
     async def _tick(self, lane: _Lane) -> None:
@@ -199,13 +215,13 @@ class RoundCoordinator:
         decoding = [r for r in ready if not r.driver.needs_prefill]
 
         proposals = self._propose_calls(lane, decoding)
-        results = await asyncio.gather(*proposals.values(), return_exceptions=True)
+        results = await self._gather(proposals.values())
         for (mode, replica), outcome in zip(proposals, results):
             self._take_proposals(lane, mode, replica, outcome)
         propose_done = time.perf_counter()
 
         target_calls = self._target_calls(lane, prefilling, decoding)
-        outcomes = await asyncio.gather(*(call for call, _ in target_calls.values()), return_exceptions=True)
+        outcomes = await self._gather(call for call, _ in target_calls.values())
         for (replica, (_, runs)), outcome in zip(target_calls.items(), outcomes):
             self._take_target_results(lane, replica, runs, outcome)
         kv_releases, lane.kv_releases = lane.kv_releases, []
@@ -223,11 +239,25 @@ class RoundCoordinator:
         t.tick_s += finished - started
         self.metrics.tick(finished - started, self.active)
 
+    async def _gather(self, calls) -> list:
+        """Await calls, returning exceptions in place of results. A transport whose calls
+        cannot overlap (in-process) awaits them in turn: no task per call on the hot path."""
+        calls = list(calls)
+        if self.transport.concurrent:
+            return await asyncio.gather(*calls, return_exceptions=True)
+        results = []
+        for call in calls:
+            try:
+                results.append(await call)
+            except Exception as exc:  # noqa: BLE001 - handed back like gather(return_exceptions=True)
+                results.append(exc)
+        return results
+
     async def _release_all(self, seq_ids: list[Hashable]) -> None:
         """Give requests' blocks back to the ledger. A release that fails is logged and
         counted, never dropped in silence: the blocks stay reserved until the ledger is
         rebuilt (a restarted KV manager re-registers pools from their live sequences)."""
-        results = await asyncio.gather(*(self.transport.release(s) for s in seq_ids), return_exceptions=True)
+        results = await self._gather(self.transport.release(s) for s in seq_ids)
         for seq_id, result in zip(seq_ids, results):
             if isinstance(result, BaseException):
                 log.warning("releasing the KV blocks of %s failed: %r", seq_id, result)
@@ -239,7 +269,12 @@ class RoundCoordinator:
         for run in decoding:
             driver = run.driver
             if driver.local_proposer is not None:
-                driver.propose_locally()
+                try:
+                    driver.propose_locally()
+                except Exception as exc:  # noqa: BLE001 - a proposer failure costs drafts, never the request
+                    log.warning("in-coordinator proposer %s failed for %s: %r", driver.mode, driver.seq_id, exc)
+                    self.metrics.fault("proposer_failed", driver.mode)
+                    driver.no_drafts()
                 continue
             if self._proposer_down_until.get(driver.mode, 0.0) > now:
                 driver.no_drafts()
@@ -252,14 +287,22 @@ class RoundCoordinator:
         for key in keys:
             releases, lane.proposer_releases[key] = lane.proposer_releases.get(key, []), []
             pairs = groups.get(key, [])
-            calls[key] = self._propose_group(key, pairs, releases)
+            calls[key] = self._propose_group(lane, key, pairs, releases)
         return calls
 
-    async def _propose_group(self, key, pairs, releases):
+    async def _propose_group(self, lane: _Lane, key, pairs, releases):
         mode, replica = key
         started = time.perf_counter()
-        served_by, results = await asyncio.wait_for(
-            self.transport.propose(mode, replica, [item for _, item in pairs], releases), self.proposer_timeout_s)
+        try:
+            served_by, results = await _within(
+                self.transport.propose(mode, replica, [item for _, item in pairs], releases), self.proposer_timeout_s)
+        except Exception:
+            # The call may never have reached the worker: send its releases again with the
+            # next call (once -- a replica that is gone has forgotten those sequences anyway).
+            retry = [s for s in releases if s not in lane.released_again]
+            lane.released_again.update(retry)
+            lane.proposer_releases[key].extend(retry)
+            raise
         if pairs:
             self.metrics.draft_call(mode, time.perf_counter() - started)
         return served_by, [(run, result) for (run, _), result in zip(pairs, results)]
@@ -269,7 +312,7 @@ class RoundCoordinator:
             # A proposer replica failed: these rounds go without drafts (still exact).
             log.warning("proposer %s (replica %s) failed: %r; rounds go without its drafts for %.1f s", mode,
                         replica, outcome, self.proposer_backoff_s)
-            self.metrics.fault("proposer_timeout" if isinstance(outcome, asyncio.TimeoutError)
+            self.metrics.fault("proposer_timeout" if isinstance(outcome, (asyncio.TimeoutError, TimeoutError))
                                else "proposer_failed", mode)
             self._proposer_down_until[mode] = time.monotonic() + self.proposer_backoff_s
             for run in lane.runs:
@@ -345,6 +388,9 @@ class RoundCoordinator:
 
     def _lose_target(self, lane: _Lane, run: _Run) -> None:
         """Re-admit on another replica and re-prefill from the committed tokens."""
+        log.warning("sequence %s lost its KV on target replica %s; re-admitting and re-prefilling it",
+                    run.driver.seq_id, run.grant.replica)
+        self.metrics.fault("target_lost")
         lost = run.grant.replica
         run.grant = None
         run.driver.lost_target()

@@ -27,7 +27,9 @@ class LocalTransport:
         self.admission.ledger.register_pool(LOCAL_REPLICA, cache.num_blocks, cache.block_size)
 
     async def admit(self, seq_id: Hashable, tokens: int, avoid: Sequence[str]) -> Grant:
-        return await self.admission.admit(seq_id, tokens, avoid)
+        # ``avoid`` names replicas that lost a sequence; the one local target never goes
+        # away, so a sequence it lost is re-admitted right here (avoiding it would wait forever).
+        return await self.admission.admit(seq_id, tokens)
 
     async def release(self, seq_id: Hashable) -> None:
         await self.admission.release(seq_id)

@@ -22,5 +22,5 @@ class RoundMetrics:
     def fault(self, kind: str, mode: str = "") -> None:
         """A failure the scheduler recovered from (the request went on): ``kind`` is one of
         ``proposer_failed``, ``proposer_timeout``, ``propose_batch_failed``,
-        ``ledger_release_failed``."""
+        ``ledger_release_failed``, ``target_lost`` (a sequence re-prefilled elsewhere)."""
         self.faults[kind] += 1

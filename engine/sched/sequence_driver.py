@@ -134,6 +134,29 @@ class SequenceDriver:
         self.no_drafts()
 
 
+def served_modes(model_modes) -> list[str]:
+    """Every mode a deployment serves, given the model-based kinds it loaded: target-only
+    and the kinds that run inside the coordinator are always served."""
+    return [m for m in SPECULATIVE_MODES if m == "none" or m in model_modes
+            or (m in PROPOSER_KINDS and PROPOSER_KINDS[m].in_coordinator)]
+
+
+def resolve_default_mode(config: EngineConfig, modes: Sequence[str]) -> str:
+    """The mode of a request that names none. ``"auto"`` picks the best loaded head;
+    an explicit default that is not served, or speculation under a sliding window, is a
+    load error (the deployment cannot serve its own default)."""
+    wanted = config.speculative.default_mode
+    if wanted == "auto":
+        if config.sliding_window is not None:
+            return "none"
+        return next((m for m in AUTO_MODE_PREFERENCE if m in modes), "none")
+    if wanted not in modes:
+        raise ModelLoadError(f"default speculative mode '{wanted}' is not available (loaded: {', '.join(modes)})")
+    if wanted != "none" and config.sliding_window is not None:
+        raise ModelLoadError(WINDOW_REFUSAL)
+    return wanted
+
+
 class DriverFactory:
     """Turns a request into a ``SequenceDriver``: picks the mode, checks it is served,
     builds the committed-token state and says how much KV to reserve. The in-process
@@ -147,25 +170,11 @@ class DriverFactory:
         self.tokenizer, self.eos_token_ids, self.max_context = tokenizer, tuple(eos_token_ids), max_context
         self.vocab_size, self.config, self.served = vocab_size, config, dict(served)
         self.speculative = config.speculative
-        self.default_mode = self._default_mode()
+        self.default_mode = resolve_default_mode(config, self.modes)
 
     @property
     def modes(self) -> list[str]:
-        return [m for m in SPECULATIVE_MODES
-                if m == "none" or m in self.served or (m in PROPOSER_KINDS and PROPOSER_KINDS[m].in_coordinator)]
-
-    def _default_mode(self) -> str:
-        wanted = self.speculative.default_mode
-        if wanted == "auto":
-            if self.config.sliding_window is not None:
-                return "none"
-            return next((m for m in AUTO_MODE_PREFERENCE if m in self.served), "none")
-        if wanted not in self.modes:
-            raise ModelLoadError(f"default speculative mode '{wanted}' is not available (loaded: "
-                                 f"{', '.join(self.modes)})")
-        if wanted != "none" and self.config.sliding_window is not None:
-            raise ModelLoadError(WINDOW_REFUSAL)
-        return wanted
+        return served_modes(self.served)
 
     def resolve_mode(self, options: GenerationOptions) -> tuple[str, int]:
         mode = options.speculative_mode or self.default_mode
