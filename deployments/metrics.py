@@ -15,6 +15,7 @@ from ray.serve import metrics
 
 from engine.sched.metrics import RoundMetrics
 
+DRAFT_LENGTH_BUCKETS = [0.5 + k for k in range(16)]  # one bucket per whole draft count 0..16
 LATENCY_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48]
 MODE = ("mode",)
 FAULT_TAGS = ("kind", "mode")
@@ -79,6 +80,10 @@ class ServeRoundMetrics(RoundMetrics):
         self.e2e = metrics.Histogram(
             "specserve_e2e_latency_s", "request arrival to its last token", boundaries=LATENCY_BUCKETS_S,
             tag_keys=MODE)
+        self.draft_length_histogram = metrics.Histogram(
+            "specserve_draft_length", "drafts adaptive speculation chose for one sequence's round (0 = a plain "
+            "target round)", boundaries=DRAFT_LENGTH_BUCKETS, tag_keys=MODE)
+        self._draft_lengths: list[tuple[str, int]] = []  # of the tick in progress
         self.requests = metrics.Counter(
             "specserve_requests", "finished requests by outcome", tag_keys=("mode", "outcome"))
         self.active = metrics.Gauge("specserve_active_sequences", "sequences being decoded")
@@ -102,6 +107,12 @@ class ServeRoundMetrics(RoundMetrics):
         for (counter, tags), value in pending.items():
             if value:
                 counter.inc(value, dict(tags))
+        lengths, self._draft_lengths = self._draft_lengths, []
+        for mode, drafts in lengths:
+            self.draft_length_histogram.observe(drafts, {"mode": mode})
+
+    def draft_length(self, mode: str, drafts: int) -> None:
+        self._draft_lengths.append((mode, drafts))  # observed at the tick's flush
 
     def verify_round(self, mode: str, drafts: int, accepted: int, committed: int) -> None:
         tags = (("mode", mode),)

@@ -5,8 +5,8 @@ rather than a silently ignored setting. Fields OpenAI defines but specserve does
 implement are accepted only at their neutral value (``n=1``, ``echo=false``, penalties
 0, ...), so a client that sends defaults works and one that relies on them is told.
 Extensions (vLLM-style extra body fields): ``speculative_mode``,
-``num_speculative_tokens``, ``top_k``, ``repetition_penalty``, ``ignore_eos``,
-``return_token_ids`` (each choice, and each streamed chunk, carries ``token_ids``); every
+``num_speculative_tokens`` (the most drafts per round), ``adaptive_speculation``,
+``top_k``, ``repetition_penalty``, ``ignore_eos``, ``return_token_ids`` (each choice, and each streamed chunk, carries ``token_ids``); every
 response carries the request's speculative statistics under ``speculative``.
 The response bodies and SSE chunks are built in ``openai_responses.py``.
 """
@@ -58,6 +58,7 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     speculative_mode: SpeculativeMode | None = None
     num_speculative_tokens: int | None = Field(None, ge=1, le=MAX_SPECULATIVE_TOKENS)
+    adaptive_speculation: bool | None = None  # False pins every round to num_speculative_tokens drafts
     return_token_ids: bool = False
 
     @field_validator("stop")
@@ -80,7 +81,8 @@ class _SamplingFields(BaseModel):
                                  top_k=self.top_k, repetition_penalty=self.repetition_penalty, seed=self.seed,
                                  stop=tuple(self.stop or ()), ignore_eos=self.ignore_eos, logprobs=logprobs,
                                  top_logprobs=top_logprobs, speculative_mode=self.speculative_mode,
-                                 num_speculative_tokens=self.num_speculative_tokens)
+                                 num_speculative_tokens=self.num_speculative_tokens,
+                                 adaptive_speculation=self.adaptive_speculation)
 
 
 class CompletionRequest(_SamplingFields):

@@ -17,6 +17,7 @@ from ray import serve
 
 from engine.config import EngineConfig
 from engine.model.bundle import Bundle
+from engine.sched.costs import DraftCostTable
 from engine.sched.proposer_worker import ProposeItem, ProposeResult, ProposerWorker
 from engine.spec.proposers.registry import PROPOSER_KINDS
 
@@ -48,6 +49,8 @@ class ProposerModel:
         vocab = bundle.manifest.models["target"].architecture.vocab_size
         self.metrics = ServeWorkerMetrics()
         self.worker = ProposerWorker(PROPOSER_KINDS[mode].load(bundle, config, vocab), self.metrics)
+        self.worker.probe()  # a first real run: checks the model and warms its session up
+        self.worker.draft_costs()  # timed now, for the router's adaptive speculation
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._lock = threading.Lock()
         self.transport = Counter()  # how target data arrived (by reference: the design) and what was served
@@ -79,6 +82,10 @@ class ProposerModel:
                 item = dataclasses.replace(item, anchor=anchor)
             resolved.append(item)
         return resolved
+
+    def draft_costs(self) -> DraftCostTable:
+        """This replica's measured draft costs (``engine.sched.costs``), measured at start-up."""
+        return self.worker.draft_costs()
 
     def transport_stats(self, replica_hint: str | None = None) -> dict:
         """This replica's counters (``replica_hint`` pins the call to one replica)."""

@@ -18,6 +18,7 @@ from ray.serve.config import DeploymentActorConfig
 
 from engine.config import EngineConfig
 from engine.model.cached_decoder import CachedDecoder
+from engine.sched.costs import VerifyCostTable
 from engine.sched.target_worker import PrefillItem, TargetResult, TargetWorker, VerifyItem
 
 from .affinity import TICK_WORKER_OPTIONS
@@ -62,6 +63,9 @@ class TargetModel:
         # One replica among several on the node: its threads must not spin on shared cores.
         self.decoder = CachedDecoder(Path(target_dir), self.config, owns_cores=False)
         self.worker = TargetWorker(self.decoder)
+        # Time verify passes before taking sequences (adaptive speculation plans with them;
+        # it also warms onnxruntime up, so the first request does not pay for it).
+        self.worker.verify_costs(self.config.scheduler.max_batch_size)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._lock = threading.Lock()  # one ONNX run and cache mutation at a time
         self.steps, self.step_s, self.compute_s = 0, 0.0, 0.0  # where a replica's time goes
@@ -100,6 +104,11 @@ class TargetModel:
                 "max_context": self.decoder.max_context, "vocab_size": decoder.vocab_size,
                 "extra_outputs": sorted(decoder.io.extra_outputs), "kv_manager": self.kv,
                 "providers": list(decoder.session.get_providers())}
+
+    def verify_costs(self) -> VerifyCostTable:
+        """This replica's measured verify costs (``engine.sched.costs``), for the router's
+        adaptive speculation; measured once at start-up."""
+        return self.worker.verify_costs()
 
     def step(self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem], releases: Sequence[Hashable],
              replica_hint: str | None = None) -> tuple[str, list[TargetResult]]:

@@ -12,6 +12,7 @@ from ray.serve.handle import DeploymentHandle
 
 from engine.kv.block_ledger import AdmissionError, Grant
 from engine.sched.coordinator import TargetUnavailableError
+from engine.sched.costs import DraftCostTable, VerifyCostTable
 from engine.sched.proposer_worker import ProposeItem, ProposeResult
 from engine.sched.target_worker import PrefillItem, TargetResult, VerifyItem
 
@@ -50,6 +51,15 @@ class ServeTransport:
 
     async def forget_target(self, replica: str) -> None:
         await self.kv_call("drop_pool", replica)
+
+    async def verify_costs(self) -> VerifyCostTable:
+        """A target replica's measured verify costs (asked once per router: replicas of one
+        deployment run the same model on the same kind of node)."""
+        return await self.target.verify_costs.remote()
+
+    async def draft_costs(self, mode: str) -> DraftCostTable:
+        """A proposer replica's measured draft costs (asked once per mode per router)."""
+        return await self.proposers[mode].draft_costs.remote()
 
     async def target_step(self, replica: str, prefills: list[PrefillItem], verifies: list[VerifyItem],
                           releases: list[Hashable]) -> list[TargetResult]:

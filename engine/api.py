@@ -73,7 +73,14 @@ class Engine:
                                      self.target.decoder.vocab_size, config, self.needs)
         self.metrics = RoundMetrics()
         workers = {mode: ProposerWorker(loaded, self.metrics) for mode, loaded in self.proposers.items()}
-        self.transport = LocalTransport(TargetWorker(self.target), workers, config.scheduler.admission_timeout_s)
+        for worker in workers.values():
+            worker.probe()  # a first real run: checks the model and warms its session up
+            worker.draft_costs()  # timed now, for adaptive speculation
+        target_worker = TargetWorker(self.target)
+        # Time the target's verify passes now (adaptive speculation plans with them); this
+        # also warms onnxruntime up, so the first request's speed is the engine's own.
+        target_worker.verify_costs(config.scheduler.max_batch_size)
+        self.transport = LocalTransport(target_worker, workers, config.scheduler.admission_timeout_s)
         self.coordinator = RoundCoordinator(self.transport, config.scheduler, self.metrics)
         self.cumulative_stats: dict[str, SpeculativeStats] = {}
         self._ids = itertools.count()

@@ -28,7 +28,11 @@ class SpeculativeConfig(BaseModel):
     default_mode: SpeculativeMode | Literal["auto"] = Field(
         "auto", description="mode of a request that names none; 'auto' = the best loaded head "
                             f"({' > '.join(AUTO_MODE_PREFERENCE)}), else target-only")
-    num_speculative_tokens: int = Field(4, ge=1, le=MAX_SPECULATIVE_TOKENS)
+    num_speculative_tokens: int = Field(4, ge=1, le=MAX_SPECULATIVE_TOKENS, description=(
+        "most drafts per round (a request may ask for another maximum)"))
+    adaptive: bool = Field(True, description=(
+        "pick each round's draft count per sequence (0..the maximum) to maximise the batch's expected tokens/s "
+        "from live acceptance and measured verify/draft costs; False drafts the maximum every round"))
     load: tuple[SpeculativeMode, ...] | None = Field(
         None, description="proposers to load (in-process) or deploy (server); None = every one the bundle provides")
     prompt_lookup_ngram: int = Field(3, ge=1)

@@ -31,7 +31,11 @@ class GenerationOptions(BaseModel):
     top_logprobs: int = Field(0, ge=0, le=20, description="also return this many most likely alternatives")
     speculative_mode: SpeculativeMode | None = Field(None, description="override the engine's default mode")
     num_speculative_tokens: int | None = Field(None, ge=1, le=MAX_SPECULATIVE_TOKENS,
-                                               description="drafts per round; overrides the engine default")
+                                               description="most drafts per round; overrides the engine default")
+    adaptive_speculation: bool | None = Field(None, description=(
+        "choose each round's number of drafts (0..num_speculative_tokens) from live acceptance and measured "
+        "costs; False pins it to num_speculative_tokens; None = the engine default, except that a seeded "
+        "sampled request keeps a fixed k so its seed reproduces it"))
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -17,7 +17,10 @@ MODELS = Path(os.environ.get("SPECSERVE_TEST_MODELS", ROOT / "models"))  # overr
 TARGET_DIR = MODELS / "target"
 DRAFT_DIR = MODELS / "draft"
 # Two intra-op threads: the CI machine has two cores.
-CPU_CONFIG = EngineConfig(device="cpu", intra_op_threads=2)
+# Adaptive speculation off: most tests check the rounds' mechanics at a known k, and
+# compare round counts between runs; the tests of adaptive speculation turn it on.
+PINNED = SpeculativeConfig(adaptive=False)
+CPU_CONFIG = EngineConfig(device="cpu", intra_op_threads=2, speculative=PINNED)
 
 
 @pytest.fixture(scope="session")
@@ -28,7 +31,7 @@ def heldout_prompts() -> list[str]:
 @pytest.fixture(scope="session")
 def target_engine() -> Engine:
     """The target alone (no proposers loaded besides model-free prompt lookup)."""
-    with Engine(TARGET_DIR, CPU_CONFIG.model_copy(update={"speculative": SpeculativeConfig(load=())})) as engine:
+    with Engine(TARGET_DIR, CPU_CONFIG.model_copy(update={"speculative": SpeculativeConfig(load=(), adaptive=False)})) as engine:
         yield engine
 
 
@@ -77,7 +80,8 @@ def running_server(args: dict | None = None, env: dict[str, str] | None = None, 
                 else value
         return out
 
-    defaults = {"model_dir": "models", "engine": {"device": "cpu", "speculative": {"default_mode": "eagle3"}}}
+    defaults = {"model_dir": "models",
+                "engine": {"device": "cpu", "speculative": {"default_mode": "eagle3", "adaptive": False}}}
     port = free_port()  # picked when the server starts, never at import
     saved = {key: os.environ.get(key) for key in env or {}}
     os.environ.update(env or {})

@@ -8,7 +8,7 @@ from engine import Engine, EngineConfig, GenerationOptions, KVCacheCapacityError
 from engine.kv.block_ledger import AdmissionError
 from engine.spec.sequence import TokenEvent
 
-from .conftest import TARGET_DIR
+from .conftest import PINNED, TARGET_DIR
 
 
 def uncached_greedy(engine: Engine, prompt: str, n: int) -> list[int]:
@@ -86,7 +86,7 @@ def test_eos_token_finishes_with_stop(target_engine, heldout_prompts, monkeypatc
 
 
 def test_context_limit_finishes_with_length_and_too_long_prompt_is_rejected(heldout_prompts, make_engine):
-    engine = make_engine(TARGET_DIR, EngineConfig(device="cpu", max_context=60))
+    engine = make_engine(TARGET_DIR, EngineConfig(device="cpu", speculative=PINNED, max_context=60))
     prompt_ids = engine.tokenizer.encode(heldout_prompts[0])[:50]
     result = engine.generate(prompt_ids, GenerationOptions(max_new_tokens=100, ignore_eos=True))
     assert result.finish_reason == "length" and result.completion_tokens == 10
@@ -126,7 +126,7 @@ def test_streaming_deltas_rebuild_the_text_and_never_split_characters(target_eng
 def test_a_request_that_could_never_fit_is_a_typed_error_at_once_and_leaks_no_blocks(heldout_prompts, make_engine):
     """6 blocks of 16 = 96 token slots; prompt + 64 new tokens can never fit, so admission
     refuses it at once (it does not wait out ``admission_timeout_s``)."""
-    engine = make_engine(TARGET_DIR, EngineConfig(device="cpu", kv_num_blocks=6, kv_block_size=16))
+    engine = make_engine(TARGET_DIR, EngineConfig(device="cpu", speculative=PINNED, kv_num_blocks=6, kv_block_size=16))
     with pytest.raises(AdmissionError, match="needs more KV than any") as info:
         engine.generate(heldout_prompts[0], GenerationOptions(max_new_tokens=64, ignore_eos=True))
     assert isinstance(info.value, KVCacheCapacityError)
@@ -142,7 +142,7 @@ def test_sliding_window_generation_runs_within_the_window(heldout_prompts, make_
     The pool (6 blocks of 16 = 96 slots) is smaller than prompt + new tokens (154): admission
     reserves only what the window can ever hold (1 sink block + 4 window blocks + 1 in
     flight), so the request is admitted, and runs in exactly that reservation."""
-    engine = make_engine(TARGET_DIR, EngineConfig(device="cpu", sliding_window=64, sink_tokens=4, kv_num_blocks=6))
+    engine = make_engine(TARGET_DIR, EngineConfig(device="cpu", speculative=PINNED, sliding_window=64, sink_tokens=4, kv_num_blocks=6))
     assert len(engine.tokenizer.encode(heldout_prompts[0])) + 40 > 6 * 16
     seen = []
     original = engine.target.feed_batch

@@ -20,7 +20,7 @@ from engine.spec.proposers.eagle3 import Eagle3Proposer
 from engine.spec.proposers.mtp import MtpProposer
 from engine.spec.proposers.shared_kv import SharedKvProposer
 
-from .conftest import CPU_CONFIG, MODELS, TARGET_DIR, assert_everything_released, generate_concurrently
+from .conftest import CPU_CONFIG, MODELS, PINNED, TARGET_DIR, assert_everything_released, generate_concurrently
 
 MIXED = ["none", "prompt_lookup", "draft_model", "mtp", "eagle3", "shared_kv"]
 
@@ -127,7 +127,7 @@ def test_a_small_pool_makes_requests_wait_for_room_not_fail(heldout_prompts, mon
     8 to 10 blocks), so at most two run at once and the others wait for room. Nothing is
     preempted, and every output equals its solo run. (The four requests queue behind a
     reservation held until all of them wait, so they really compete for the pool.)"""
-    engine = make_engine(MODELS, EngineConfig(device="cpu", kv_num_blocks=20, kv_block_size=16))
+    engine = make_engine(MODELS, EngineConfig(device="cpu", speculative=PINNED, kv_num_blocks=20, kv_block_size=16))
     modes = ["none", "draft_model", "eagle3", "shared_kv"]
     jobs = [(heldout_prompts[i], GenerationOptions(max_new_tokens=40, ignore_eos=True, speculative_mode=modes[i]))
             for i in range(4)]
@@ -172,7 +172,7 @@ def test_admission_waits_for_room_up_to_its_timeout(heldout_prompts, monkeypatch
     """Another holder keeps 8 of 12 blocks; a request needing 5 waits. With a short
     timeout it fails (AdmissionError, nothing leaked); with the default it is admitted
     the moment the blocks come back, and its output is the one it gets alone."""
-    engine = make_engine(TARGET_DIR, EngineConfig(device="cpu", kv_num_blocks=12, kv_block_size=16))
+    engine = make_engine(TARGET_DIR, EngineConfig(device="cpu", speculative=PINNED, kv_num_blocks=12, kv_block_size=16))
     prompt = engine.tokenizer.encode(heldout_prompts[13])[:50]
     options = GenerationOptions(max_new_tokens=30, ignore_eos=True)  # 80 tokens: 5 blocks
     alone = engine.generate(prompt, options).token_ids
@@ -293,7 +293,7 @@ def test_modes_defaults_and_reservations_are_decided_in_one_place(bundle_engine)
     assert factory(["draft_model", "shared_kv"]).default_mode == "shared_kv"
     assert factory(["draft_model", "mtp", "eagle3", "shared_kv"]).default_mode == "eagle3"
     with pytest.raises(ModelLoadError, match="'mtp' is not available"):
-        factory(["eagle3"], speculative=SpeculativeConfig(default_mode="mtp"))
+        factory(["eagle3"], speculative=SpeculativeConfig(default_mode="mtp", adaptive=False))
 
     driver = only_eagle.create("y", [1, 2, 3], GenerationOptions(max_new_tokens=600))
     assert driver.mode == "eagle3" and driver.kv_tokens == f.max_context == 512  # capped at the context
@@ -305,5 +305,5 @@ def test_modes_defaults_and_reservations_are_decided_in_one_place(bundle_engine)
     with pytest.raises(InvalidRequestError, match="full-attention KV cache"):
         windowed.create("v", [1, 2, 3], GenerationOptions(speculative_mode="prompt_lookup"))
     with pytest.raises(ModelLoadError, match="full-attention KV cache"):
-        factory(["eagle3"], sliding_window=64, speculative=SpeculativeConfig(default_mode="eagle3"))
+        factory(["eagle3"], sliding_window=64, speculative=SpeculativeConfig(default_mode="eagle3", adaptive=False))
     assert "full-attention" in WINDOW_REFUSAL

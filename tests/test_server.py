@@ -66,9 +66,12 @@ def _kv_all_free(timeout_s: float = 30.0) -> dict:
         time.sleep(0.1)
 
 
-def _complete(client, prompt: str, mode: str, max_tokens: int = MAX_TOKENS):
+def _complete(client, prompt: str, mode: str, max_tokens: int = MAX_TOKENS, adaptive: bool | None = None):
+    extra = {"speculative_mode": mode, "return_token_ids": True}
+    if adaptive is not None:
+        extra["adaptive_speculation"] = adaptive
     return client.completions.create(model="specserve", prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                     extra_body={"speculative_mode": mode, "return_token_ids": True})
+                                     extra_body=extra)
 
 
 def test_health_and_models(server, client):
@@ -97,6 +100,18 @@ def test_greedy_output_through_the_server_is_token_identical_to_the_engine(clien
             expected.speculative.accepted_tokens), (mode, prompt)
         accepted += spec["accepted_tokens"]
     assert (accepted > 0) == (mode != "none")  # the speculative modes really speculated
+
+
+def test_adaptive_speculation_through_the_server_keeps_every_token(client, bundle_engine, heldout_prompts):
+    """Adaptive requests (the router plans each round's drafts from the replicas' measured
+    costs) give the target-only tokens in every mode, with concurrent streams."""
+    jobs = [(prompt, mode) for prompt in heldout_prompts[:3] for mode in MODES[1:]]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        responses = list(pool.map(lambda job: _complete(client, job[0], job[1], adaptive=True), jobs))
+    for (prompt, mode), response in zip(jobs, responses):
+        expected = bundle_engine.generate(prompt, GenerationOptions(max_new_tokens=MAX_TOKENS, speculative_mode="none"))
+        assert response.choices[0].model_extra["token_ids"] == expected.token_ids, (mode, prompt)
+        assert response.model_extra["speculative"]["mode"] == mode
 
 
 SAMPLED_TOKENS = 32
@@ -289,6 +304,7 @@ def test_schemathesis_finds_no_server_errors(server):
 
 def test_every_metric_the_grafana_dashboard_plots_is_exported(client, metrics_url, heldout_prompts):
     _complete(client, heldout_prompts[7], "mtp", max_tokens=8)
+    _complete(client, heldout_prompts[7], "eagle3", max_tokens=8, adaptive=True)  # the chosen-draft-length histogram
     dashboard = (Path(__file__).resolve().parents[1] / "cluster/grafana-dashboard.json").read_text()
     plotted = set(re.findall(r"ray_[a-z_]+", dashboard))
     assert EVENT_ONLY_METRICS <= plotted  # else the exception below excuses nothing

@@ -27,7 +27,7 @@ from onnx import TensorProto, helper, numpy_helper
 from tokenizers import Tokenizer, models
 
 import engine.spec.rounds as rounds
-from engine import Engine, EngineConfig, GenerationOptions, SchedulerConfig
+from engine import Engine, EngineConfig, GenerationOptions, SchedulerConfig, SpeculativeConfig
 from engine.model.manifest import BundleManifest
 from engine.spec.sampling import sample, token_distribution
 from engine.spec.verify import Verdict
@@ -38,16 +38,34 @@ DRAWS = 12_000
 PROMPT = [0, 1]
 
 
-def build_bigram_model(directory: Path, table: np.ndarray) -> Path:
-    """An ONNX decoder with the optimum interface whose logits depend only on the last token."""
+def build_bigram_model(directory: Path, table: np.ndarray, busy_work: int = 0) -> Path:
+    """An ONNX decoder with the optimum interface whose logits depend only on the last token.
+
+    ``busy_work`` > 0 adds a [n, n] @ [n, n] product per call that feeds the logits with
+    weight 0: the logits are unchanged, but the call costs what a real target's weights
+    cost -- far more than its draft -- so adaptive speculation has a reason to draft."""
     directory.mkdir(parents=True)
+    initializers = [numpy_helper.from_array(np.log(table).astype(np.float32), "table"),
+                    numpy_helper.from_array(np.array([1, 3]), "axes13")]
+    logits = "logits" if not busy_work else "bigram_logits"
     nodes = [
-        helper.make_node("Gather", ["table", "input_ids"], ["logits"], axis=0),
+        helper.make_node("Gather", ["table", "input_ids"], [logits], axis=0),
         helper.make_node("Cast", ["input_ids"], ["ids_f"], to=TensorProto.FLOAT),
         helper.make_node("Unsqueeze", ["ids_f", "axes13"], ["new_kv"]),
         helper.make_node("Concat", ["past_key_values.0.key", "new_kv"], ["present.0.key"], axis=2),
         helper.make_node("Concat", ["past_key_values.0.value", "new_kv"], ["present.0.value"], axis=2),
     ]
+    if busy_work:
+        initializers += [numpy_helper.from_array(np.full((busy_work, busy_work), 0.01, np.float32), "busy"),
+                         numpy_helper.from_array(np.zeros((1,), np.float32), "zero")]
+        nodes += [  # busy @ (busy * mean(ids)): depends on the input, so it is never folded away
+            helper.make_node("ReduceMean", ["ids_f"], ["ids_mean"], keepdims=0),
+            helper.make_node("Mul", ["busy", "ids_mean"], ["scaled"]),
+            helper.make_node("MatMul", ["busy", "scaled"], ["product"]),
+            helper.make_node("ReduceSum", ["product"], ["busy_sum"], keepdims=0),
+            helper.make_node("Mul", ["busy_sum", "zero"], ["nothing"]),
+            helper.make_node("Add", ["bigram_logits", "nothing"], ["logits"]),
+        ]
     kv = lambda name, length: helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", 1, length, 1])
     graph = helper.make_graph(
         nodes, "bigram",
@@ -57,8 +75,7 @@ def build_bigram_model(directory: Path, table: np.ndarray) -> Path:
          kv("past_key_values.0.key", "past"), kv("past_key_values.0.value", "past")],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "sequence", VOCAB]),
          kv("present.0.key", "total"), kv("present.0.value", "total")],
-        [numpy_helper.from_array(np.log(table).astype(np.float32), "table"),
-         numpy_helper.from_array(np.array([1, 3]), "axes13")])
+        initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 10
     onnx.save(model, str(directory / "model.onnx"))
@@ -86,24 +103,29 @@ def bundle_manifest(entries: dict[str, Path]) -> BundleManifest:
         arrays={}))
 
 
-@pytest.fixture(scope="module")
-def bigram_bundle(tmp_path_factory):
+def make_bigram_bundle(root: Path, busy_work: int = 0) -> tuple[Path, np.ndarray]:
     """(the bundle directory, the target's bigram table)."""
     rng = np.random.default_rng(7)
     target_table = rng.dirichlet(np.ones(VOCAB) * 0.8, size=VOCAB)
     draft_table = 0.5 * target_table + 0.5 * rng.dirichlet(np.ones(VOCAB), size=VOCAB)  # q != p, overlapping
-    root = tmp_path_factory.mktemp("bigram")
-    entries = {"target": build_bigram_model(root / "target", target_table),
+    entries = {"target": build_bigram_model(root / "target", target_table, busy_work),
                "draft": build_bigram_model(root / "draft", draft_table)}
     bundle_manifest(entries).save(root)
     return root, target_table
 
 
 @pytest.fixture(scope="module")
+def bigram_bundle(tmp_path_factory):
+    return make_bigram_bundle(tmp_path_factory.mktemp("bigram"))
+
+
+@pytest.fixture(scope="module")
 def bigram_engine(bigram_bundle):
-    """The real engine on the bigram bundle; a batch holds 64 concurrent requests."""
+    """The real engine on the bigram bundle; a batch holds 64 concurrent requests, each
+    drafting 3 tokens every round (adaptive speculation off: here the target costs no more
+    than its draft, so adapting would rightly stop drafting)."""
     root, _ = bigram_bundle
-    engine = Engine(root, EngineConfig(device="cpu", intra_op_threads=1,
+    engine = Engine(root, EngineConfig(device="cpu", intra_op_threads=1, speculative=SpeculativeConfig(adaptive=False),
                                        scheduler=SchedulerConfig(max_batch_size=64)))
     assert engine.available_modes == ["none", "prompt_lookup", "draft_model"] and engine.draft is not None
     yield engine
@@ -120,15 +142,16 @@ def exact_distribution(table: np.ndarray) -> dict[tuple, float]:
     return out
 
 
-def draw(engine: Engine, mode: str, n: int, first_seed: int) -> list[tuple]:
+def draw(engine: Engine, mode: str, n: int, first_seed: int, concurrency: int = 64,
+         adaptive: bool | None = None) -> list[tuple]:
     """``n`` independent samples: one request per seed, submitted concurrently so the
     coordinator batches them (as a server under load would)."""
     def one(seed: int) -> tuple:
         options = GenerationOptions(max_new_tokens=NEW_TOKENS, temperature=1.0, ignore_eos=True, seed=seed,
-                                    speculative_mode=mode, num_speculative_tokens=3)
+                                    speculative_mode=mode, num_speculative_tokens=3, adaptive_speculation=adaptive)
         return tuple(engine.generate(PROMPT, options).token_ids)
 
-    with ThreadPoolExecutor(max_workers=64) as pool:
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
         samples = list(pool.map(one, range(first_seed, first_seed + n)))
     assert engine.drain()
     assert engine.target.cache.used_blocks == 0 and engine.draft.cache.used_blocks == 0
@@ -190,3 +213,17 @@ def test_a_broken_acceptance_rule_fails_the_same_test(bigram_engine, bigram_bund
     monkeypatch.setattr(rounds, "verify", broken_verify)
     assert chi_square_p_value(draw(bigram_engine, "draft_model", DRAWS, first_seed=1),
                               exact_distribution(table)) < 0.01
+
+
+def test_adaptive_speculation_keeps_the_target_distribution(tmp_path):
+    """Adaptive speculation changes how many drafts each round verifies, never how: the
+    samples still fit the target's exact distribution. The target here costs what a real
+    one does relative to its draft (``busy_work``), so the controller does draft -- and,
+    learning acceptance and costs as it goes, not always the maximum."""
+    root, table = make_bigram_bundle(tmp_path / "bigram", busy_work=384)
+    with Engine(root, EngineConfig(device="cpu", intra_op_threads=1)) as engine:
+        samples = draw(engine, "draft_model", DRAWS // 2, first_seed=1, concurrency=2, adaptive=True)
+        stats = engine.cumulative_stats["draft_model"]
+    assert stats.proposed_tokens > DRAWS // 4  # it drafted ...
+    assert stats.proposed_tokens < 3 * stats.verification_steps  # ... choosing fewer than 3 drafts in some rounds
+    assert chi_square_p_value(samples, exact_distribution(table)) > 0.01

@@ -26,10 +26,13 @@ from typing import Hashable, Protocol, Sequence
 from engine.config import SchedulerConfig
 from engine.errors import EngineError
 from engine.kv.block_ledger import Grant
+from engine.sched.costs import DraftCostModel, DraftCostTable, VerifyCostModel, VerifyCostTable
+from engine.sched.draft_length import DraftLengthController, DraftRequest
 from engine.sched.metrics import RoundMetrics
 from engine.sched.proposer_worker import ProposeItem, ProposeResult
 from engine.sched.sequence_driver import SequenceDriver
 from engine.sched.target_worker import PrefillItem, TargetResult, VerifyItem
+from engine.spec.proposers.registry import BATCHED_MODES
 
 log = logging.getLogger("specserve.coordinator")
 
@@ -69,6 +72,12 @@ class Transport(Protocol):
 
     async def forget_target(self, replica: str) -> None:
         """A target replica is gone: its pool must stop taking admissions."""
+
+    async def verify_costs(self) -> VerifyCostTable:
+        """The target's measured cost of a verify pass by batch and rows (``sched.costs``)."""
+
+    async def draft_costs(self, mode: str) -> DraftCostTable:
+        """A proposer kind's measured cost of a call by batch and drafts (``sched.costs``)."""
 
 
 @dataclass(eq=False)
@@ -132,6 +141,8 @@ class RoundCoordinator:
         self._lanes = [_Lane() for _ in range(config.lanes if transport.concurrent else 1)]
         self.max_batch = config.max_batch_size  # per lane and tick; the rest wait their turn (FIFO)
         self.timings = TickTimings()
+        self.draft_lengths: DraftLengthController | None = None  # made when a request first adapts
+        self._costed_modes: set[str] = set()
 
     @property
     def active(self) -> int:
@@ -214,6 +225,7 @@ class RoundCoordinator:
         prefilling = [r for r in ready if r.driver.needs_prefill]
         decoding = [r for r in ready if not r.driver.needs_prefill]
 
+        await self._choose_draft_lengths(decoding)
         proposals = self._propose_calls(lane, decoding)
         results = await self._gather(proposals.values())
         for (mode, replica), outcome in zip(proposals, results):
@@ -238,6 +250,32 @@ class RoundCoordinator:
         t.target_s += finished - propose_done
         t.tick_s += finished - started
         self.metrics.tick(finished - started, self.active)
+
+    async def _choose_draft_lengths(self, decoding: list[_Run]) -> None:
+        """Set every decoding sequence's drafts for this round: pinned requests get their
+        maximum; adaptive ones what ``DraftLengthController`` plans for their target call."""
+        adaptive = [run for run in decoding if run.driver.adaptive]
+        if adaptive and self.draft_lengths is None:
+            self.draft_lengths = DraftLengthController(VerifyCostModel(await self.transport.verify_costs()),
+                                                       DraftCostModel(BATCHED_MODES))
+        for mode in {run.driver.mode for run in adaptive if run.driver.remote_proposer} - self._costed_modes:
+            self._costed_modes.add(mode)
+            self.draft_lengths.draft_costs.add(mode, await self.transport.draft_costs(mode))
+        calls: dict[str, list[_Run]] = defaultdict(list)
+        for run in decoding:
+            run.driver.round_drafts = run.driver.max_drafts()
+            calls[run.grant.replica].append(run)
+        if self.draft_lengths is None:
+            return
+        for runs in calls.values():
+            if not any(run.driver.adaptive for run in runs):
+                continue
+            requests = [DraftRequest(r.driver.seq_id, r.driver.mode, r.driver.max_drafts(), r.driver.adaptive)
+                        for r in runs]
+            for run, k in zip(runs, self.draft_lengths.plan(requests)):
+                run.driver.round_drafts = k
+                if run.driver.adaptive:
+                    self.metrics.draft_length(run.driver.mode, k)
 
     async def _gather(self, calls) -> list:
         """Await calls, returning exceptions in place of results. A transport whose calls
@@ -304,7 +342,11 @@ class RoundCoordinator:
             lane.proposer_releases[key].extend(retry)
             raise
         if pairs:
-            self.metrics.draft_call(mode, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self.metrics.draft_call(mode, seconds)
+            if self.draft_lengths is not None:
+                drafts = [item.width - 1 for _, item in pairs]
+                self.draft_lengths.draft_costs.observe(mode, len(drafts), max(drafts), sum(drafts), seconds)
         return served_by, [(run, result) for (run, _), result in zip(pairs, results)]
 
     def _take_proposals(self, lane: _Lane, mode: str, replica: str | None, outcome) -> None:
@@ -351,7 +393,11 @@ class RoundCoordinator:
         started = time.perf_counter()
         results = await self.transport.target_step(replica, prefills, verifies, releases)
         if prefills or verifies:
-            self.metrics.verify_call(time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self.metrics.verify_call(seconds)
+            if self.draft_lengths is not None and verifies and not prefills:  # a prefill is not a verify's cost
+                rows = sum(len(item.drafts) + 1 for item in verifies)
+                self.draft_lengths.verify_costs.observe(len(verifies), rows, seconds)
         return results, releases
 
     def _take_target_results(self, lane: _Lane, replica: str, runs: list[_Run], outcome) -> None:
@@ -380,6 +426,13 @@ class RoundCoordinator:
                     continue
                 if verified is not None:
                     self.metrics.verify_round(run.driver.mode, *verified)
+                    if self.draft_lengths is not None:
+                        # A lookup that found fewer drafts than allowed failed those positions; a
+                        # remote proposer that sent none (down, re-syncing) says nothing of them.
+                        allowed = max(run.driver.round_drafts, verified.drafts) \
+                            if run.driver.local_proposer is not None else verified.drafts
+                        self.draft_lengths.acceptance.record(run.driver.seq_id, run.driver.mode, allowed,
+                                                             verified.accepted)
 
     def _forget_target(self, replica: str) -> None:
         if replica not in self._forgotten:
@@ -419,6 +472,8 @@ class RoundCoordinator:
         if run in lane.runs:
             lane.runs.remove(run)
         seq_id = run.driver.seq_id
+        if self.draft_lengths is not None:
+            self.draft_lengths.acceptance.forget(seq_id)
         if run.grant is not None:
             lane.target_releases[run.grant.replica].append(seq_id)  # then the ledger, once the pages are free
             run.grant = None

@@ -8,6 +8,7 @@ from typing import Hashable, Sequence
 from engine.errors import EngineError
 from engine.kv.admission import Admission
 from engine.kv.block_ledger import Grant
+from engine.sched.costs import DraftCostTable, VerifyCostTable
 from engine.sched.proposer_worker import ProposeItem, ProposeResult, ProposerWorker
 from engine.sched.target_worker import PrefillItem, TargetResult, TargetWorker, VerifyItem
 
@@ -46,3 +47,9 @@ class LocalTransport:
 
     async def forget_target(self, replica: str) -> None:
         return None  # the one local target never goes away
+
+    async def verify_costs(self) -> VerifyCostTable:
+        return self.target.verify_costs()
+
+    async def draft_costs(self, mode: str) -> DraftCostTable:
+        return self.proposers[mode].draft_costs()

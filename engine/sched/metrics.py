@@ -19,6 +19,9 @@ class RoundMetrics:
 
     def verify_round(self, mode: str, drafts: int, accepted: int, committed: int) -> None: ...
 
+    def draft_length(self, mode: str, drafts: int) -> None:
+        """The number of drafts adaptive speculation chose for one sequence's round."""
+
     def fault(self, kind: str, mode: str = "") -> None:
         """A failure the scheduler recovered from (the request went on): ``kind`` is one of
         ``proposer_failed``, ``proposer_timeout``, ``propose_batch_failed``,

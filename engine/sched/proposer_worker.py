@@ -23,7 +23,8 @@ from engine.errors import EngineError
 from engine.options import GenerationOptions
 from engine.sched.metrics import RoundMetrics
 from engine.spec.proposers.base import AcceptContext, Proposal, Proposer, ProposerContext
-from engine.spec.proposers.registry import LoadedProposer
+from engine.sched.costs import CALIBRATION_PAST, DraftCostTable, measure_draft_costs
+from engine.spec.proposers.registry import PROPOSER_KINDS, LoadedProposer
 from engine.spec.rounds import Anchor, proposer_context
 
 log = logging.getLogger("specserve.proposer")
@@ -66,10 +67,21 @@ class ProposerWorker:
         self.loaded, self.mode, self.idle_timeout_s = loaded, loaded.mode, idle_timeout_s
         self.metrics = metrics or RoundMetrics()
         self._seqs: dict[Hashable, _Mirror] = {}
+        self._costs: DraftCostTable | None = None
 
     def probe(self) -> None:
         """Health probe: the real proposer model on a minimal input (raises if broken)."""
         self.loaded.model.probe()
+
+    def draft_costs(self) -> DraftCostTable:
+        """What a call costs by batch and drafts (``sched.costs``), timed on first use on
+        synthetic contexts and kept. Owners call it at start-up."""
+        if self._costs is None:
+            kind = PROPOSER_KINDS[self.mode]
+            anchor = kind.calibration_anchor(self.loaded, CALIBRATION_PAST + 1)
+            self._costs = measure_draft_costs(self.loaded.new_proposer, anchor, self.loaded.vocab_size,
+                                              batch=8 if kind.batched else 4)
+        return self._costs
 
     @property
     def sequences(self) -> list[Hashable]:

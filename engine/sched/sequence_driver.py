@@ -41,9 +41,12 @@ WINDOW_REFUSAL = ("speculative decoding needs a full-attention KV cache to stay 
 
 class SequenceDriver:
     def __init__(self, seq_id: Hashable, state: SequenceState, mode: str, num_drafts: int, needs: Needs,
-                 local_proposer: Proposer | None = None, remote_proposer: bool = False, kv_tokens: int = 0) -> None:
+                 local_proposer: Proposer | None = None, remote_proposer: bool = False, kv_tokens: int = 0,
+                 adaptive: bool = False) -> None:
         self.seq_id, self.state, self.mode, self.num_drafts, self.needs = seq_id, state, mode, num_drafts, needs
         self.kv_tokens = kv_tokens or len(state.tokens) + state.options.max_new_tokens  # KV to reserve
+        self.adaptive = adaptive and mode != "none"  # the scheduler picks each round's drafts (<= num_drafts)
+        self.round_drafts = num_drafts  # this round's draft count, as the scheduler chose it
         self.local_proposer, self.remote_proposer = local_proposer, remote_proposer
         self.stats = SpeculativeStats(mode=mode)
         self.prefilled = False
@@ -70,7 +73,12 @@ class SequenceDriver:
                            resume=self.resuming)
 
     def width(self) -> int:
-        return draft_width(self.state, self.num_drafts) if self.prefilled else 1
+        """Most tokens this round may commit: the round's drafts + 1, within the budget."""
+        return draft_width(self.state, self.round_drafts) if self.prefilled else 1
+
+    def max_drafts(self) -> int:
+        """Most drafts the scheduler may give this sequence's next round."""
+        return 0 if self.mode == "none" or not self.prefilled else draft_width(self.state, self.num_drafts) - 1
 
     def propose_item(self) -> ProposeItem | None:
         """The message for a remote proposer this round, or None if no drafts are wanted."""
@@ -205,6 +213,13 @@ class DriverFactory:
         state = SequenceState(prompt_ids, options, self.tokenizer, self.eos_token_ids, self.max_context, on_token)
         kind = PROPOSER_KINDS.get(mode)
         local = kind.local_proposer(self.speculative, k) if kind is not None and kind.in_coordinator else None
+        adaptive = options.adaptive_speculation
+        if adaptive is None:
+            # A seed asks for a reproducible sample, and a sampled round's random draws depend
+            # on how many drafts it verifies -- which adapting ties to measured timings. So a
+            # seeded sampled request keeps its k unless it asks to adapt.
+            adaptive = self.speculative.adaptive and (options.greedy or options.seed is None)
         return SequenceDriver(seq_id, state, mode, k, self.served.get(mode, NO_NEEDS), local,
                               remote_proposer=mode in self.served,
-                              kv_tokens=self.kv_reservation(len(prompt_ids), options.max_new_tokens))
+                              kv_tokens=self.kv_reservation(len(prompt_ids), options.max_new_tokens),
+                              adaptive=adaptive)

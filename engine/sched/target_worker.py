@@ -22,6 +22,7 @@ from typing import Any, Hashable, Sequence
 import numpy as np
 
 from engine.model.cached_decoder import CachedDecoder, FeedRequest
+from engine.sched.costs import VerifyCostTable, measure_verify_costs
 from engine.errors import EngineError
 from engine.options import GenerationOptions
 from engine.spec.proposers.base import Needs
@@ -76,6 +77,7 @@ class TargetWorker:
     def __init__(self, target: CachedDecoder) -> None:
         self.target = target
         self._seqs: dict[Hashable, _TargetSequence] = {}
+        self._costs: VerifyCostTable | None = None
 
     @property
     def sequences(self) -> list[Hashable]:
@@ -88,6 +90,14 @@ class TargetWorker:
     def probe(self) -> None:
         """Health probe: the real target session on one token (raises if it is broken)."""
         self.target.probe()
+
+    def verify_costs(self, max_batch: int = 32) -> VerifyCostTable:
+        """The measured cost of verify passes on this target (``sched.costs``), timed on
+        first use and kept. Owners call it at start-up, before taking sequences: it runs
+        the target on dummy sequences in free blocks (and so also warms onnxruntime up)."""
+        if self._costs is None:
+            self._costs = measure_verify_costs(self.target, max_batch)
+        return self._costs
 
     def step(self, prefills: Sequence[PrefillItem] = (), verifies: Sequence[VerifyItem] = (),
              releases: Sequence[Hashable] = ()) -> list[TargetResult]:

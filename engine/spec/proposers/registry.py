@@ -11,17 +11,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.errors import ModelLoadError
 from engine.model.bundle import Bundle
 from engine.model.cached_decoder import CachedDecoder
 from engine.model.heads import HeadModel, load_head
-from engine.spec.proposers.base import NO_NEEDS, Needs, Proposer
+from engine.spec.proposers.base import NO_NEEDS, Needs, Proposer, SharedKvSlice
 from engine.spec.proposers.draft_model import DraftModelProposer
 from engine.spec.proposers.eagle3 import Eagle3Proposer
 from engine.spec.proposers.mtp import MtpProposer
 from engine.spec.proposers.prompt_lookup import PromptLookupProposer
 from engine.spec.proposers.shared_kv import SharedKvProposer
+from engine.spec.rounds import Anchor
 
 @dataclass
 class LoadedProposer:
@@ -31,12 +34,19 @@ class LoadedProposer:
     new_proposer: Callable[[], Proposer]
     model: CachedDecoder | HeadModel
 
+    @property
+    def vocab_size(self) -> int:
+        """The target vocabulary its drafts come from."""
+        model = self.model
+        return model.decoder.vocab_size if isinstance(model, CachedDecoder) else model.embedder.table.shape[0]
+
 
 @dataclass(frozen=True)
 class ProposerKind:
     mode: str
     deployment: str | None   # the Serve deployment hosting it; None = runs inside the coordinator
     description: str
+    batched: bool = False    # drafts for a whole batch with one model run per draft step
 
     @property
     def in_coordinator(self) -> bool:
@@ -71,6 +81,24 @@ class ProposerKind:
             raise ValueError(f"'{self.mode}' does not run inside the coordinator")
         return PromptLookupProposer(speculative.prompt_lookup_ngram, num_drafts)
 
+    def calibration_anchor(self, loaded: LoadedProposer, kv_len: int) -> Anchor:
+        """An anchor of the right shapes (zeros) for timing this kind's drafts: what a
+        draft costs does not depend on the values it reads."""
+        if self.mode not in HEAD_MODES:
+            return Anchor()
+        head: HeadModel = loaded.model
+        hidden = np.zeros(head.hidden_size, np.float32)
+        layers = (hidden,) * 3 if self.mode == "eagle3" else None
+        slices = None
+        if self.mode == "shared_kv":
+            slices = []
+            for group, layer in head.config.get("shared_kv_groups", {}).items():
+                _, heads, _, dim = head.input_shape(f"shared_kv.{group}.key")
+                kv = np.zeros((1, int(heads), kv_len, int(dim)), np.float32)
+                slices.append(SharedKvSlice(group, layer, kv, kv))
+            slices = tuple(slices)
+        return Anchor(hidden, layers, slices)
+
     def load(self, bundle: Bundle, config: EngineConfig, target_vocab: int) -> LoadedProposer:
         """Load this kind's model from the bundle (model-based kinds only)."""
         if self.in_coordinator:
@@ -89,11 +117,12 @@ HEAD_MODES = ("mtp", "eagle3", "shared_kv")
 PROPOSER_KINDS: dict[str, ProposerKind] = {k.mode: k for k in (
     ProposerKind("prompt_lookup", None, "n-gram copy from the context (no model)"),
     ProposerKind("draft_model", "DraftModelProposer", "a small LM with its own paged KV cache"),
-    ProposerKind("mtp", "MtpProposer", "a multi-token-prediction head read through the target's LM head"),
-    ProposerKind("eagle3", "Eagle3Proposer", "an EAGLE-3 head fed low/mid/high target hidden states"),
-    ProposerKind("shared_kv", "SharedKvProposer", "a Gemma-4-style assistant reading the target's KV cache"),
+    ProposerKind("mtp", "MtpProposer", "a multi-token-prediction head read through the target's LM head", True),
+    ProposerKind("eagle3", "Eagle3Proposer", "an EAGLE-3 head fed low/mid/high target hidden states", True),
+    ProposerKind("shared_kv", "SharedKvProposer", "a Gemma-4-style assistant reading the target's KV cache", True),
 )}
 MODEL_MODES = tuple(m for m, k in PROPOSER_KINDS.items() if not k.in_coordinator)
+BATCHED_MODES = frozenset(m for m, k in PROPOSER_KINDS.items() if k.batched)
 
 
 def proposer_kind(mode: str) -> ProposerKind:

@@ -1,0 +1,194 @@
+"""What a target verify pass costs, measured: the cost model adaptive speculation
+plans with.
+
+``measure_verify_costs`` times the real target on batches of dummy sequences (1 and 5
+rows each, at a few batch sizes) once, when a target worker starts -- which also warms
+onnxruntime up, so the first request does not pay for it. ``VerifyCostModel``
+interpolates that table and adds the per-call overhead it observes online (hops,
+object store, the machine's current load), so the in-process engine and the server
+each plan with what a call costs *them*.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.model.cached_decoder import CachedDecoder, FeedRequest
+
+CALIBRATION_BATCHES = (1, 4, 16, 32)
+CALIBRATION_ROWS = (1, 5)       # rows per sequence: a plain step, and a k = 4 verify
+CALIBRATION_PAST = 64           # tokens already in each dummy sequence's KV
+
+
+@dataclass(frozen=True)
+class VerifyCostTable:
+    """Seconds of one target call by (sequences, total rows), measured."""
+
+    seconds: dict[tuple[int, int], float]
+
+    @property
+    def batches(self) -> list[int]:
+        return sorted({b for b, _ in self.seconds})
+
+    def _at(self, batch: int, rows: float) -> float:
+        """Linear in rows between the measured points of one measured batch size."""
+        points = sorted((r, s) for (b, r), s in self.seconds.items() if b == batch)
+        (r0, s0), (r1, s1) = points[0], points[-1]
+        slope = (s1 - s0) / (r1 - r0) if r1 > r0 else 0.0
+        return s0 + slope * (rows - r0)
+
+    def predict(self, batch: int, rows: int) -> float:
+        """Interpolate between measured batch sizes at the same rows per sequence;
+        beyond the largest, scale it linearly (a CPU pass at that size is compute-bound)."""
+        batches = self.batches
+        per_seq = rows / max(batch, 1)
+        if batch <= batches[0]:
+            return self._at(batches[0], per_seq * batches[0]) * batch / batches[0]
+        if batch >= batches[-1]:
+            return self._at(batches[-1], per_seq * batches[-1]) * batch / batches[-1]
+        upper = next(b for b in batches if b >= batch)
+        lower = max(b for b in batches if b <= batch)
+        if upper == lower:
+            return self._at(lower, rows)
+        w = (batch - lower) / (upper - lower)
+        return (1 - w) * self._at(lower, per_seq * lower) + w * self._at(upper, per_seq * upper)
+
+
+def measure_verify_costs(target: CachedDecoder, max_batch: int, repeats: int = 2) -> VerifyCostTable:
+    """Time real target calls on dummy sequences; the pool must have room and nobody else
+    may use it meanwhile (call before the worker takes requests). Leaves the pool empty."""
+    cache = target.cache
+    per_seq_blocks = -(-(CALIBRATION_PAST + max(CALIBRATION_ROWS)) // cache.block_size)
+    fits = max(1, cache.free_blocks // per_seq_blocks)
+    batches = [b for b in CALIBRATION_BATCHES if b <= min(max_batch, fits)] or [1]
+    seconds: dict[tuple[int, int], float] = {}
+    ids = [("calibration", i) for i in range(batches[-1])]
+    rng = np.random.default_rng(0)
+    vocab = target.decoder.vocab_size
+    for seq in ids:
+        cache.add_sequence(seq)
+    try:
+        target.feed_batch([FeedRequest(seq, rng.integers(0, vocab, CALIBRATION_PAST).tolist(), 0) for seq in ids])
+        for batch in batches:
+            for rows in CALIBRATION_ROWS:
+                requests = [FeedRequest(seq, rng.integers(0, vocab, rows).tolist(), CALIBRATION_PAST)
+                            for seq in ids[:batch]]
+                best = float("inf")
+                for _ in range(repeats):
+                    started = time.perf_counter()
+                    target.feed_batch(requests)
+                    best = min(best, time.perf_counter() - started)
+                    for seq in ids[:batch]:
+                        cache.rewind(seq, CALIBRATION_PAST)
+                seconds[(batch, batch * rows)] = best
+    finally:
+        for seq in ids:
+            cache.free(seq)
+    return VerifyCostTable(seconds)
+
+
+class VerifyCostModel:
+    """The measured table plus what this transport adds per call, learnt online."""
+
+    def __init__(self, table: VerifyCostTable, smoothing: float = 0.05) -> None:
+        self.table, self.smoothing = table, smoothing
+        self.overhead = 0.0  # seconds per call beyond the table: hops, serialisation, load
+
+    def predict(self, batch: int, rows: int) -> float:
+        return self.table.predict(batch, rows) + self.overhead
+
+    def observe(self, batch: int, rows: int, seconds: float) -> None:
+        """One target call of ``batch`` verifies with ``rows`` rows in all took ``seconds``."""
+        residual = seconds - self.table.predict(batch, rows)
+        self.overhead = (1 - self.smoothing) * self.overhead + self.smoothing * residual
+
+
+@dataclass(frozen=True)
+class DraftCostTable:
+    """Seconds of one proposer call drafting ``k`` tokens for each of ``n`` sequences,
+    measured at (1, 1), (1, 4), (N, 1) and (N, 4)."""
+
+    seconds: dict[tuple[int, int], float]
+
+    def coefficients(self) -> tuple[float, float, float, float]:
+        """(per call, per sequence, per step, per sequence-step) solving the four points
+        exactly (bilinear in n and k), clamped at 0 against timing noise."""
+        n = max(b for b, _ in self.seconds)
+        t11, t14 = self.seconds[(1, 1)], self.seconds[(1, 4)]
+        tn1, tn4 = self.seconds.get((n, 1), t11 * n), self.seconds.get((n, 4), t14 * n)
+        per_seq_step = max(0.0, ((tn4 - tn1) - (t14 - t11)) / (3 * (n - 1))) if n > 1 else (t14 - t11) / 3
+        per_step = max(0.0, (t14 - t11) / 3 - per_seq_step)
+        per_seq = max(0.0, (tn1 - t11) / (n - 1) - per_seq_step) if n > 1 else 0.0
+        per_call = max(0.0, t11 - per_seq - per_step - per_seq_step)
+        return per_call, per_seq, per_step, per_seq_step
+
+
+class DraftCostModel:
+    """Predicted seconds of a proposer call for a plan: a batched head runs ``steps``
+    (the longest k) steps over all ``n`` drafting sequences; a draft model runs each
+    sequence's own k steps (``draft_tokens`` in all). The measured table per mode, plus
+    the per-call overhead observed online (hops, load). A mode without a table costs
+    nothing until measured, so it gets tried."""
+
+    def __init__(self, batched: frozenset[str], smoothing: float = 0.05) -> None:
+        self.coefficients: dict[str, tuple[float, float, float, float]] = {}
+        self.batched, self.smoothing = batched, smoothing
+        self.overhead: dict[str, float] = {}
+
+    def add(self, mode: str, table: DraftCostTable) -> None:
+        self.coefficients[mode] = table.coefficients()
+
+    def marginal_step(self, mode: str) -> float:
+        """Seconds one more draft of one sequence adds (a draft model's step)."""
+        return self.coefficients[mode][3] if mode in self.coefficients else 0.0
+
+    def predict(self, mode: str, n: int, steps: int, draft_tokens: int) -> float:
+        if n <= 0 or mode not in self.coefficients:
+            return 0.0
+        per_call, per_seq, per_step, per_seq_step = self.coefficients[mode]
+        work = n * steps if mode in self.batched else draft_tokens
+        return per_call + n * per_seq + steps * per_step + work * per_seq_step + self.overhead.get(mode, 0.0)
+
+    def observe(self, mode: str, n: int, steps: int, draft_tokens: int, seconds: float) -> None:
+        if mode not in self.coefficients or n <= 0:
+            return
+        residual = seconds - (self.predict(mode, n, steps, draft_tokens) - self.overhead.get(mode, 0.0))
+        self.overhead[mode] = (1 - self.smoothing) * self.overhead.get(mode, 0.0) + self.smoothing * residual
+
+
+def measure_draft_costs(new_proposer, anchor, vocab: int, batch: int = 8, repeats: int = 3) -> DraftCostTable:
+    """Time a proposer kind on synthetic contexts (random tokens, zero hidden states --
+    the work a draft does does not depend on the values). A draft model is timed after
+    its own prefill, aligning 2 new tokens per round as a real round does."""
+    from engine.options import GenerationOptions
+    from engine.spec.rounds import proposer_context
+
+    rng = np.random.default_rng(0)
+    options = GenerationOptions()
+    proposers = [new_proposer() for _ in range(batch)]
+    prefixes = [rng.integers(0, vocab, CALIBRATION_PAST).tolist() for _ in range(batch)]
+    try:
+        for proposer, prefix in zip(proposers, prefixes):  # a draft model prefills its own KV once
+            proposer.propose(proposer_context(2, prefix, options, anchor, rng))
+        seconds = {}
+        for n in (1, batch):
+            for k in (1, 4):
+                contexts = [proposer_context(k + 1, prefix + [1, 2], options, anchor, rng) for prefix in prefixes[:n]]
+                best = float("inf")
+                for _ in range(repeats):
+                    for proposer, prefix in zip(proposers[:n], prefixes[:n]):
+                        proposer.rewind(prefix)
+                    started = time.perf_counter()
+                    if proposers[0].batchable:
+                        proposers[0].propose_batch(contexts)
+                    else:
+                        for proposer, context in zip(proposers[:n], contexts):
+                            proposer.propose(context)
+                    best = min(best, time.perf_counter() - started)
+                seconds[(n, k)] = best
+        return DraftCostTable(seconds)
+    finally:
+        for proposer in proposers:
+            proposer.close()

@@ -1,0 +1,179 @@
+"""Adaptive speculation: how many drafts each sequence gets this round.
+
+A draft costs target compute whether or not it is accepted. At batch 1 a verify pass
+is memory-bound, so drafts are nearly free and k = k_max pays; at a large batch on a
+CPU the pass is compute-bound, every draft row costs about what a whole sequence's
+step costs, and a weak proposer loses to plain decoding. So each round the scheduler
+asks ``DraftLengthController.plan`` for every sequence's k in 0..k_max and maximises
+the expected committed tokens per second of the whole batch:
+
+    E_s(k)  = 1 + sum_{i<=k} prod_{j<=i} alpha_s,j      (tokens sequence s commits)
+    T(plan) = T_verify(batch, rows) + sum_mode T_draft(mode, steps)
+
+``alpha_s,j`` is the sequence's live acceptance of draft position j given the drafts
+before it were accepted, shrunk toward its mode's average while the sequence has few
+rounds. ``T_verify`` and ``T_draft`` are the target's and each proposer's costs,
+measured when their workers start (``sched.costs``) and corrected online by the
+per-call overhead this transport adds. k = 0 is a plain target round. Rounds stay
+lossless whatever k is: only how many drafts are verified changes, never how.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import product
+from typing import Sequence
+
+from engine.sched.costs import DraftCostModel, VerifyCostModel
+
+PRIOR_ACCEPTANCE = 0.7   # a mode's acceptance before it has any rounds: optimistic, so it gets tried
+PRIOR_WEIGHT = 8.0       # rounds' worth of weight the mode average keeps in a sequence's estimate
+MODE_DECAY = 0.995       # per recorded round: a mode's average follows the current traffic
+EXPLORE_EVERY = 32       # plans in a row in which a mode drafted nothing before one sequence tries a draft
+
+
+@dataclass
+class _Counts:
+    tested: list[float] = field(default_factory=list)   # rounds that reached position i (drafts < i all accepted)
+    passed: list[float] = field(default_factory=list)   # ... and accepted it
+
+    def record(self, drafts: int, accepted: int, decay: float = 1.0) -> None:
+        if decay != 1.0:
+            self.tested = [t * decay for t in self.tested]
+            self.passed = [p * decay for p in self.passed]
+        grow = drafts - len(self.tested)
+        if grow > 0:
+            self.tested.extend([0.0] * grow)
+            self.passed.extend([0.0] * grow)
+        for i in range(min(drafts, accepted + 1)):  # positions the target actually judged
+            self.tested[i] += 1
+            self.passed[i] += i < accepted
+
+    def rate(self, i: int, prior: float, weight: float) -> float:
+        tested = self.tested[i] if i < len(self.tested) else 0.0
+        passed = self.passed[i] if i < len(self.passed) else 0.0
+        return (passed + weight * prior) / (tested + weight)
+
+
+class AcceptanceTracker:
+    """Per-sequence and per-mode acceptance of each draft position, conditional on the
+    drafts before it being accepted (the only way a position is ever judged)."""
+
+    def __init__(self) -> None:
+        self._modes: dict[str, _Counts] = {}
+        self._seqs: dict[object, _Counts] = {}
+
+    def record(self, seq_id, mode: str, drafts: int, accepted: int) -> None:
+        """``drafts``: what the round allowed -- a proposer that found fewer (prompt lookup
+        without a match) failed the positions it left empty."""
+        if drafts <= 0:
+            return
+        self._modes.setdefault(mode, _Counts()).record(drafts, accepted, MODE_DECAY)
+        self._seqs.setdefault(seq_id, _Counts()).record(drafts, accepted)
+
+    def forget(self, seq_id) -> None:
+        self._seqs.pop(seq_id, None)
+
+    def alphas(self, seq_id, mode: str, k_max: int) -> list[float]:
+        mode_counts = self._modes.get(mode, _Counts())
+        own = self._seqs.get(seq_id, _Counts())
+        return [own.rate(i, mode_counts.rate(i, PRIOR_ACCEPTANCE, 1.0), PRIOR_WEIGHT) for i in range(k_max)]
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One sequence's entry in a round's plan."""
+
+    seq_id: object
+    mode: str
+    k_max: int          # the most this round may draft (request's k, capped by length/context)
+    adaptive: bool      # False: the request pinned k = k_max
+
+
+class DraftLengthController:
+    def __init__(self, verify_costs: VerifyCostModel, draft_costs: DraftCostModel,
+                 acceptance: AcceptanceTracker | None = None) -> None:
+        self.verify_costs, self.draft_costs = verify_costs, draft_costs
+        self.acceptance = acceptance or AcceptanceTracker()
+        self._idle_plans: dict[str, int] = {}
+
+    def plan(self, requests: Sequence[DraftRequest]) -> list[int]:
+        """Drafts for each request of one target call, in order.
+
+        Every mode gets a cap K (tried exhaustively for up to two adaptive modes in the
+        call, coordinate-wise beyond); under a cap, each sequence drafts while its next
+        draft's expected tokens pay for the draft-model step it costs at the
+        batch's rate. The caps whose plan commits the most tokens per second win. The
+        target call is costed padded: a batched verify runs every sequence to the longest
+        one's rows."""
+        alphas = [self.acceptance.alphas(r.seq_id, r.mode, r.k_max) for r in requests]
+        modes = sorted({r.mode for r in requests if r.adaptive and r.k_max > 0})
+        top = {m: max(r.k_max for r in requests if r.mode == m and r.adaptive) for m in modes}
+        best_rate, best_ks = -1.0, [r.k_max if not r.adaptive else 0 for r in requests]
+        if len(modes) <= 2:
+            choices = product(*(range(top[m] + 1) for m in modes))
+        else:  # coordinate-wise: each mode's cap in turn, the others at their maximum
+            choices = [tuple(top[x] if x != m else k for x in modes) for m in modes for k in range(top[m] + 1)]
+        for caps in choices:
+            ks, rate = self._under_caps(requests, alphas, dict(zip(modes, caps)))
+            if rate > best_rate * (1 + 1e-6):
+                best_rate, best_ks = rate, ks
+        self._explore(requests, best_ks)
+        return best_ks
+
+    def _under_caps(self, requests: Sequence[DraftRequest], alphas: list[list[float]],
+                    caps: dict[str, int]) -> tuple[list[int], float]:
+        ks = [min(r.k_max, caps.get(r.mode, r.k_max)) if r.adaptive else r.k_max for r in requests]
+        rate = self._rate(requests, alphas, ks)
+        # A batched verify pads every sequence to the call's longest, so below the longest a
+        # draft costs no target row; what it can still cost is a draft model's step. Drop
+        # the trailing drafts whose expected tokens do not pay for that at the batch's rate.
+        pruned = False
+        for i, r in enumerate(requests):
+            step = self.draft_costs.marginal_step(r.mode) if r.mode not in self.draft_costs.batched else 0.0
+            if not r.adaptive or step == 0.0:
+                continue
+            reach, keep = 1.0, 0
+            for j in range(ks[i]):
+                reach *= alphas[i][j]
+                if reach < rate * step:
+                    break
+                keep = j + 1
+            if keep < ks[i]:
+                ks[i], pruned = keep, True
+        return ks, self._rate(requests, alphas, ks) if pruned else rate
+
+    def _rate(self, requests: Sequence[DraftRequest], alphas: list[list[float]], ks: list[int]) -> float:
+        """Expected committed tokens per second of a plan."""
+        expected = 0.0
+        drafting: dict[str, list[int]] = {}
+        for r, a, k in zip(requests, alphas, ks):
+            reach = 1.0
+            expected += 1.0
+            for j in range(k):
+                reach *= a[j]
+                expected += reach
+            if k > 0:
+                drafting.setdefault(r.mode, []).append(k)
+        rows = len(requests) * (max(ks, default=0) + 1)  # padded to the longest
+        seconds = self.verify_costs.predict(len(requests), rows)
+        for mode, counts in drafting.items():
+            seconds += self.draft_costs.predict(mode, len(counts), max(counts), sum(counts))
+        return expected / seconds if seconds > 0 else float("inf")
+
+    def _explore(self, requests: Sequence[DraftRequest], ks: list[int]) -> None:
+        """Acceptance is only measured while a mode drafts. A mode that has drafted
+        nothing for ``EXPLORE_EVERY`` plans gets one draft for one sequence, so its
+        estimate follows the traffic (and recovers from an unlucky start) instead of
+        freezing at "not worth it"."""
+        waiting: dict[str, list[int]] = {}  # mode -> its adaptive sequences that could draft
+        for i, r in enumerate(requests):
+            if r.adaptive and r.k_max > 0:
+                waiting.setdefault(r.mode, []).append(i)
+        for mode, members in waiting.items():
+            if any(ks[i] > 0 for i in members):
+                self._idle_plans[mode] = 0
+                continue
+            self._idle_plans[mode] = self._idle_plans.get(mode, 0) + 1
+            if self._idle_plans[mode] >= EXPLORE_EVERY:
+                self._idle_plans[mode] = 0
+                ks[members[0]] = 1

@@ -1,0 +1,135 @@
+"""Adaptive speculation: each round's draft count chosen from live acceptance and
+measured costs (``engine/sched/draft_length.py``), lossless whatever it chooses.
+
+The controller tests use cost tables shaped like this CPU's measurements (a verify pass
+memory-bound at batch 1, compute-bound at 32) so each decision is checked against the
+arithmetic, not against a timing; the engine tests run the real models.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine import Engine, GenerationOptions
+from engine.sched.costs import DraftCostModel, DraftCostTable, VerifyCostModel, VerifyCostTable
+from engine.sched.draft_length import EXPLORE_EVERY, AcceptanceTracker, DraftLengthController, DraftRequest
+from engine.spec.proposers.registry import BATCHED_MODES
+
+from .conftest import CPU_CONFIG, MODELS, generate_concurrently
+
+# Seconds of one target call by (sequences, rows): ~4 ms at batch 1 whatever the rows;
+# at batch 32, 36 ms for one row each and 54 ms for five.
+CPU_LIKE = VerifyCostTable({(1, 1): 0.0042, (1, 5): 0.0046, (4, 4): 0.0079, (4, 20): 0.0111, (16, 16): 0.0191,
+                            (16, 80): 0.0323, (32, 32): 0.0363, (32, 160): 0.0541})
+# One proposer call by (sequences, drafts each): a head runs batched steps, a draft model
+# a step per sequence and draft.
+HEAD = DraftCostTable({(1, 1): 0.0002, (1, 4): 0.0008, (8, 1): 0.0004, (8, 4): 0.0014})
+DRAFT_MODEL = DraftCostTable({(1, 1): 0.0003, (1, 4): 0.0012, (4, 1): 0.0012, (4, 4): 0.0047})
+
+
+def controller(acceptance: dict[str, float], heads=HEAD, draft=DRAFT_MODEL,
+               table: VerifyCostTable = CPU_LIKE) -> DraftLengthController:
+    """A controller whose modes have already seen many rounds at the given acceptance."""
+    costs = DraftCostModel(BATCHED_MODES)
+    for mode in ("mtp", "eagle3", "shared_kv"):
+        costs.add(mode, heads)
+    costs.add("draft_model", draft)
+    tracker = AcceptanceTracker()
+    rng = np.random.default_rng(0)
+    for mode, rate in acceptance.items():
+        for n in range(1000):  # rounds of 4 drafts, each accepted with probability ``rate``
+            accepted = 0
+            while accepted < 4 and rng.random() < rate:
+                accepted += 1
+            tracker.record(("history", mode, n), mode, 4, accepted)
+            tracker.forget(("history", mode, n))
+    return DraftLengthController(VerifyCostModel(table), costs, tracker)
+
+
+def requests(mode: str, n: int, k_max: int = 4, adaptive: bool = True) -> list[DraftRequest]:
+    return [DraftRequest(("seq", mode, i), mode, k_max, adaptive) for i in range(n)]
+
+
+def test_one_stream_with_a_good_head_drafts_the_maximum():
+    assert controller({"eagle3": 0.75}).plan(requests("eagle3", 1)) == [4]
+
+
+def test_under_load_a_weak_proposer_stops_drafting_and_a_strong_head_keeps_drafting():
+    loaded = controller({"prompt_lookup": 0.1, "eagle3": 0.75})
+    assert loaded.plan(requests("prompt_lookup", 32)) == [0] * 32  # rows cost more than they earn: plain rounds
+    assert min(loaded.plan(requests("eagle3", 32))) >= 3              # its drafts still pay for their rows
+    # ... and the same weak proposer drafts again once the load is gone
+    assert loaded.plan(requests("prompt_lookup", 1)) == [1]
+
+
+def test_speculation_shrinks_as_the_batch_grows():
+    plans = {n: controller({"draft_model": 0.5}).plan(requests("draft_model", n)) for n in (1, 4, 16, 32)}
+    means = [sum(plan) / len(plan) for plan in plans.values()]
+    assert means == sorted(means, reverse=True) and means[0] > means[-1]
+
+
+def test_a_pinned_request_keeps_its_k_and_a_plan_never_exceeds_k_max():
+    plan = controller({"prompt_lookup": 0.1}).plan(
+        requests("prompt_lookup", 30) + [DraftRequest("pinned", "prompt_lookup", 4, adaptive=False),
+                                         DraftRequest("short", "prompt_lookup", 1, adaptive=True)])
+    assert plan[-2] == 4 and all(0 <= k <= 4 for k in plan) and plan[-1] <= 1
+
+
+def test_the_verify_pass_is_costed_padded_to_the_longest_sequence():
+    """A batched verify computes every sequence to the longest one's rows: once one
+    sequence drafts 4, the others' drafts cost no more target work, so with the same
+    acceptance they draft as far as the longest."""
+    plan = controller({"eagle3": 0.75}).plan(requests("eagle3", 16))
+    assert len(set(plan)) == 1
+
+
+def test_acceptance_is_conditional_on_reaching_a_position():
+    tracker = AcceptanceTracker()
+    for _ in range(50):
+        tracker.record("s", "m", 4, 0)   # rejected at position 1: positions 2..4 were never judged
+        tracker.record("s", "m", 4, 4)   # all accepted
+    alphas = tracker.alphas("s", "m", 4)
+    assert alphas[0] == pytest.approx((50 + 8 * 0.7) / (100 + 8), rel=0.05)  # shrunk toward the mode average
+    assert all(a > 0.9 for a in alphas[1:])  # reached only in the accepted rounds: all passed there
+
+
+def test_a_mode_that_stopped_drafting_tries_again_now_and_then():
+    loaded = controller({"prompt_lookup": 0.1})
+    plans = [loaded.plan(requests("prompt_lookup", 32)) for _ in range(EXPLORE_EVERY)]
+    assert all(sum(plan) == 0 for plan in plans[:-1])
+    assert sum(plans[-1]) == 1  # one draft for one sequence refreshes the estimate
+
+
+@pytest.fixture(scope="module")
+def adaptive_engine():
+    config = CPU_CONFIG.model_copy(update={"speculative": CPU_CONFIG.speculative.model_copy(
+        update={"adaptive": True})})
+    with Engine(MODELS, config) as engine:
+        yield engine
+
+
+@pytest.mark.parametrize("mode", ["prompt_lookup", "draft_model", "mtp", "eagle3", "shared_kv"])
+def test_adaptive_rounds_give_the_target_only_tokens(mode, adaptive_engine, heldout_prompts):
+    """Sixteen concurrent adaptive requests (a batch where the controller has choices to
+    make) and one alone: every output is target-only's, and the drafts really varied."""
+    jobs = [(prompt, GenerationOptions(max_new_tokens=32, ignore_eos=True, speculative_mode=mode))
+            for prompt in heldout_prompts[:16]]
+    reference = [adaptive_engine.generate(p, o.model_copy(update={"speculative_mode": "none"})).token_ids
+                 for p, o in jobs]
+    results = generate_concurrently(adaptive_engine, jobs)
+    assert [r.token_ids for r in results] == reference
+    solo = adaptive_engine.generate(*jobs[0])
+    assert solo.token_ids == reference[0]
+    assert adaptive_engine.drain() and adaptive_engine.target.cache.used_blocks == 0
+
+
+def test_a_seeded_sampled_request_keeps_its_k_unless_it_asks_to_adapt(adaptive_engine):
+    """A seed promises a reproducible sample; adapting would tie the sampled rounds' random
+    draws to measured timings, so such a request is pinned unless it opts in."""
+    create = adaptive_engine.factory.create
+    assert create("g", [1, 2], GenerationOptions(speculative_mode="eagle3")).adaptive
+    assert create("u", [1, 2], GenerationOptions(speculative_mode="eagle3", temperature=0.8)).adaptive
+    assert not create("s", [1, 2], GenerationOptions(speculative_mode="eagle3", temperature=0.8, seed=3)).adaptive
+    assert create("o", [1, 2], GenerationOptions(speculative_mode="eagle3", temperature=0.8, seed=3,
+                                                 adaptive_speculation=True)).adaptive
+    assert not create("n", [1, 2], GenerationOptions(speculative_mode="none")).adaptive
