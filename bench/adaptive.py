@@ -2,15 +2,15 @@
 streams, in-process, in one run.
 
     .venv/bin/python bench/adaptive.py [--concurrency 1 4 16 32] [--modes ...] [--new-tokens 48]
-                                       [--requests-per-stream 2] [--repeats 3] [--threads 2]
+                                       [--requests 8] [--repeats 3] [--threads 2]
 
 Each cell is ``concurrency`` threads calling ``Engine.generate`` at once, each for a few
-held-out prompts (greedy, EOS ignored; at least ``--requests`` per cell), timed from the first
-submission to the last result (after a warm-up request; onnxruntime's first-call cost
-is not included). Cells of one concurrency run interleaved -- target-only, then each
-mode fixed and adaptive -- and the whole sweep repeats ``--repeats`` times; the table
-shows each cell's median tokens/s and every speculative cell as a multiple of
-target-only. It checks that every greedy output equals target-only's, and marks where
+held-out prompts (greedy, EOS ignored; at least ``--requests`` per cell), timed from the
+first submission to the last result (after a warm-up request; onnxruntime's first-call
+cost is not included). Cells of one concurrency run interleaved -- target-only, then
+each mode fixed and adaptive in a shuffled order -- and the whole sweep repeats
+``--repeats`` times; the table shows each cell's median tokens/s and every speculative
+cell as a multiple of target-only. It checks that every greedy output equals target-only's, and marks where
 adaptive falls below max(target-only, fixed k) by more than 3 % (the never-slower
 promise).
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import threading
@@ -86,10 +87,14 @@ def main() -> None:
     rates = {(c, name): [] for c in args.concurrency for name in columns}
     drafted = {(c, name): [] for c in args.concurrency for name in columns}
     mismatches = []
+    order = random.Random(0)
     for repeat in range(args.repeats):
         for concurrency in args.concurrency:
             reference = None
-            for name, options in columns.items():
+            names = list(columns)[1:]
+            order.shuffle(names)  # a fresh order each time: no column always runs right after another
+            for name in ["none", *names]:
+                options = columns[name]
                 per_stream = max(args.requests_per_stream, -(-args.requests // concurrency))
                 rate, outputs, drafts = run_cell(engine, prompts, concurrency, per_stream, options)
                 rates[(concurrency, name)].append(rate)

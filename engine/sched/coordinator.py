@@ -225,6 +225,7 @@ class RoundCoordinator:
         prefilling = [r for r in ready if r.driver.needs_prefill]
         decoding = [r for r in ready if not r.driver.needs_prefill]
 
+        self._propose_locally(decoding)
         await self._choose_draft_lengths(decoding)
         proposals = self._propose_calls(lane, decoding)
         results = await self._gather(proposals.values())
@@ -251,9 +252,25 @@ class RoundCoordinator:
         t.tick_s += finished - started
         self.metrics.tick(finished - started, self.active)
 
+    def _propose_locally(self, decoding: list[_Run]) -> None:
+        """Model-free proposers (prompt lookup) draft first, at their maximum: it costs
+        next to nothing, and the plan then knows what each of them actually found."""
+        for run in decoding:
+            driver = run.driver
+            if driver.local_proposer is None:
+                continue
+            driver.round_drafts = driver.max_drafts()
+            try:
+                driver.propose_locally()
+            except Exception as exc:  # noqa: BLE001 - a proposer failure costs drafts, never the request
+                log.warning("in-coordinator proposer %s failed for %s: %r", driver.mode, driver.seq_id, exc)
+                self.metrics.fault("proposer_failed", driver.mode)
+                driver.no_drafts()
+
     async def _choose_draft_lengths(self, decoding: list[_Run]) -> None:
         """Set every decoding sequence's drafts for this round: pinned requests get their
-        maximum; adaptive ones what ``DraftLengthController`` plans for their target call."""
+        maximum; adaptive ones what ``DraftLengthController`` plans for their target call
+        (a model-free proposer's at most what it found, and its drafts are cut to that)."""
         adaptive = [run for run in decoding if run.driver.adaptive]
         if adaptive and self.draft_lengths is None:
             self.draft_lengths = DraftLengthController(VerifyCostModel(await self.transport.verify_costs()),
@@ -263,17 +280,20 @@ class RoundCoordinator:
             self.draft_lengths.draft_costs.add(mode, await self.transport.draft_costs(mode))
         calls: dict[str, list[_Run]] = defaultdict(list)
         for run in decoding:
-            run.driver.round_drafts = run.driver.max_drafts()
+            driver = run.driver
+            driver.round_drafts = driver.max_drafts() if driver.local_proposer is None else driver.drafted
             calls[run.grant.replica].append(run)
         if self.draft_lengths is None:
             return
         for runs in calls.values():
             if not any(run.driver.adaptive for run in runs):
                 continue
-            requests = [DraftRequest(r.driver.seq_id, r.driver.mode, r.driver.max_drafts(), r.driver.adaptive)
+            requests = [DraftRequest(r.driver.seq_id, r.driver.mode, r.driver.round_drafts, r.driver.adaptive)
                         for r in runs]
             for run, k in zip(runs, self.draft_lengths.plan(requests)):
                 run.driver.round_drafts = k
+                if run.driver.local_proposer is not None:
+                    run.driver.keep_drafts(k)
                 if run.driver.adaptive:
                     self.metrics.draft_length(run.driver.mode, k)
 
@@ -307,13 +327,7 @@ class RoundCoordinator:
         for run in decoding:
             driver = run.driver
             if driver.local_proposer is not None:
-                try:
-                    driver.propose_locally()
-                except Exception as exc:  # noqa: BLE001 - a proposer failure costs drafts, never the request
-                    log.warning("in-coordinator proposer %s failed for %s: %r", driver.mode, driver.seq_id, exc)
-                    self.metrics.fault("proposer_failed", driver.mode)
-                    driver.no_drafts()
-                continue
+                continue  # drafted before the plan (``_propose_locally``)
             if self._proposer_down_until.get(driver.mode, 0.0) > now:
                 driver.no_drafts()
                 continue
@@ -427,11 +441,7 @@ class RoundCoordinator:
                 if verified is not None:
                     self.metrics.verify_round(run.driver.mode, *verified)
                     if self.draft_lengths is not None:
-                        # A lookup that found fewer drafts than allowed failed those positions; a
-                        # remote proposer that sent none (down, re-syncing) says nothing of them.
-                        allowed = max(run.driver.round_drafts, verified.drafts) \
-                            if run.driver.local_proposer is not None else verified.drafts
-                        self.draft_lengths.acceptance.record(run.driver.seq_id, run.driver.mode, allowed,
+                        self.draft_lengths.acceptance.record(run.driver.seq_id, run.driver.mode, verified.drafts,
                                                              verified.accepted)
 
     def _forget_target(self, replica: str) -> None:

@@ -63,8 +63,6 @@ class AcceptanceTracker:
         self._seqs: dict[object, _Counts] = {}
 
     def record(self, seq_id, mode: str, drafts: int, accepted: int) -> None:
-        """``drafts``: what the round allowed -- a proposer that found fewer (prompt lookup
-        without a match) failed the positions it left empty."""
         if drafts <= 0:
             return
         self._modes.setdefault(mode, _Counts()).record(drafts, accepted, MODE_DECAY)

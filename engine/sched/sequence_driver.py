@@ -1,11 +1,11 @@
-"""The coordinator's half of a round: one request's state between remote workers.
+"""The coordinator's half of a round: one request's state between the workers.
 
 A ``SequenceDriver`` never touches a model: it builds the small messages for the
 target and proposer workers (``PrefillItem``, ``ProposeItem``, ``VerifyItem``) and applies
 what comes back, using the pieces of ``spec/rounds.py``: ``draft_width``,
-``commit_outcome`` (through ``SequenceState.commit``) and ``record_round``. A model-free proposer (prompt lookup) runs right here: it needs only
-the committed tokens, which the coordinator already holds, so a hop would cost more
-than the lookup.
+``commit_outcome`` (through ``SequenceState.commit``) and ``record_round``. A model-free
+proposer (prompt lookup) runs right here: it needs only the committed tokens, which the
+coordinator already holds, so a hop would cost more than the lookup.
 
 The anchor is opaque here: a value in-process, an object-store reference when the
 target is remote -- the coordinator passes it on without looking inside.
@@ -16,15 +16,15 @@ from typing import Any, Hashable, NamedTuple, Sequence
 
 from engine.config import AUTO_MODE_PREFERENCE, EngineConfig
 from engine.errors import InvalidRequestError, ModelLoadError
+from engine.model.tokenizer import TextTokenizer, encode_prompt
 from engine.options import SPECULATIVE_MODES, GenerationOptions
 from engine.sched.proposer_worker import ProposeItem, ProposeResult
+from engine.sched.target_worker import PrefillItem, VerifyItem
 from engine.spec.proposers.base import NO_NEEDS, AcceptContext, Needs, Proposer
 from engine.spec.proposers.registry import PROPOSER_KINDS
 from engine.spec.rounds import Anchor, RoundOutcome, commit_outcome, draft_width, proposer_context, record_round
 from engine.spec.sequence import SequenceState, TokenCallback
 from engine.spec.stats import SpeculativeStats
-from engine.sched.target_worker import PrefillItem, VerifyItem
-from engine.model.tokenizer import TextTokenizer, encode_prompt
 
 
 class VerifiedRound(NamedTuple):
@@ -101,6 +101,17 @@ class SequenceDriver:
         state = self.state
         proposal = self.local_proposer.propose(proposer_context(width, state.tokens, state.options, Anchor(), None))
         self._drafts = [int(t) for t in proposal.tokens[: width - 1]]
+
+    @property
+    def drafted(self) -> int:
+        """Drafts this round holds so far."""
+        return len(self._drafts)
+
+    def keep_drafts(self, k: int) -> None:
+        """Verify only the first ``k`` of this round's drafts."""
+        self._drafts = self._drafts[:k]
+        if self._probs is not None:
+            self._probs = self._probs[:k]
 
     def no_drafts(self) -> None:
         """This round verifies no drafts (its proposer is unavailable)."""
