@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -28,21 +29,25 @@ class VerifyCostTable:
 
     seconds: dict[tuple[int, int], float]
 
-    @property
-    def batches(self) -> list[int]:
-        return sorted({b for b, _ in self.seconds})
+    @cached_property
+    def _lines(self) -> dict[int, tuple[float, float, float]]:
+        """Per measured batch size: (rows at the first point, its seconds, seconds per row)."""
+        lines = {}
+        for batch in sorted({b for b, _ in self.seconds}):
+            points = sorted((r, s) for (b, r), s in self.seconds.items() if b == batch)
+            (r0, s0), (r1, s1) = points[0], points[-1]
+            lines[batch] = (r0, s0, (s1 - s0) / (r1 - r0) if r1 > r0 else 0.0)
+        return lines
 
     def _at(self, batch: int, rows: float) -> float:
         """Linear in rows between the measured points of one measured batch size."""
-        points = sorted((r, s) for (b, r), s in self.seconds.items() if b == batch)
-        (r0, s0), (r1, s1) = points[0], points[-1]
-        slope = (s1 - s0) / (r1 - r0) if r1 > r0 else 0.0
+        r0, s0, slope = self._lines[batch]
         return s0 + slope * (rows - r0)
 
     def predict(self, batch: int, rows: int) -> float:
         """Interpolate between measured batch sizes at the same rows per sequence;
         beyond the largest, scale it linearly (a CPU pass at that size is compute-bound)."""
-        batches = self.batches
+        batches = list(self._lines)
         per_seq = rows / max(batch, 1)
         if batch <= batches[0]:
             return self._at(batches[0], per_seq * batches[0]) * batch / batches[0]
