@@ -32,7 +32,7 @@ def main() -> None:
 
     prompts = [p["prompt"] for p in json.loads((ROOT / "tests/data/heldout_prompts.json").read_text())][: args.prompts]
     engine = Engine(args.model, EngineConfig(device=args.device, intra_op_threads=args.threads))
-    options = GenerationOptions(max_new_tokens=args.new_tokens, ignore_eos=True)
+    options = GenerationOptions(max_new_tokens=args.new_tokens, ignore_eos=True, speculative_mode="none")
     engine.generate(prompts[0], options.model_copy(update={"max_new_tokens": 8}))  # warm-up
 
     step_times: list[float] = []

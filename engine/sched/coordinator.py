@@ -410,7 +410,7 @@ class RoundCoordinator:
             seconds = time.perf_counter() - started
             self.metrics.verify_call(seconds)
             if self.draft_lengths is not None and verifies and not prefills:  # a prefill is not a verify's cost
-                rows = sum(len(item.drafts) + 1 for item in verifies)
+                rows = len(verifies) * (max(len(item.drafts) for item in verifies) + 1)  # padded to the longest
                 self.draft_lengths.verify_costs.observe(len(verifies), rows, seconds)
         return results, releases
 

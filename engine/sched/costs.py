@@ -95,19 +95,35 @@ def measure_verify_costs(target: CachedDecoder, max_batch: int, repeats: int = 2
 
 
 class VerifyCostModel:
-    """The measured table plus what this transport adds per call, learnt online."""
+    """The measured table plus a correction learnt online from real calls:
+    ``overhead + per_row * rows``. The overhead is what this transport adds per call (hops,
+    serialisation, load); the per-row part is what the calibration's short pasts miss
+    (attention over a real request's longer past). Least squares on the residuals with
+    exponential forgetting; until the calls seen differ enough in rows to tell the two
+    apart, all of the correction is overhead."""
 
-    def __init__(self, table: VerifyCostTable, smoothing: float = 0.05) -> None:
-        self.table, self.smoothing = table, smoothing
-        self.overhead = 0.0  # seconds per call beyond the table: hops, serialisation, load
+    def __init__(self, table: VerifyCostTable, forgetting: float = 0.98) -> None:
+        self.table, self.forgetting = table, forgetting
+        self.overhead, self.per_row = 0.0, 0.0
+        self._sums = [0.0] * 5  # w, sum rows, sum residual, sum rows^2, sum rows*residual
 
     def predict(self, batch: int, rows: int) -> float:
-        return self.table.predict(batch, rows) + self.overhead
+        return self.table.predict(batch, rows) + self.overhead + self.per_row * rows
 
     def observe(self, batch: int, rows: int, seconds: float) -> None:
-        """One target call of ``batch`` verifies with ``rows`` rows in all took ``seconds``."""
+        """One target call of ``batch`` verifies, padded to ``rows`` rows in all, took ``seconds``."""
         residual = seconds - self.table.predict(batch, rows)
-        self.overhead = (1 - self.smoothing) * self.overhead + self.smoothing * residual
+        sums = self._sums
+        for i, value in enumerate((1.0, rows, residual, rows * rows, rows * residual)):
+            sums[i] = sums[i] * self.forgetting + value
+        w, sx, sy, sxx, sxy = sums
+        mean_x, mean_y = sx / w, sy / w
+        variance = sxx / w - mean_x * mean_x
+        if variance > 1.0 and w > 10:  # rows have varied by more than one: the slope is identifiable
+            self.per_row = max(0.0, (sxy / w - mean_x * mean_y) / variance)
+        else:
+            self.per_row = 0.0
+        self.overhead = mean_y - self.per_row * mean_x
 
 
 @dataclass(frozen=True)
