@@ -4,9 +4,9 @@ plans with.
 ``measure_verify_costs`` times the real target on batches of dummy sequences (1 and 5
 rows each, at a few batch sizes) once, when a target worker starts -- which also warms
 onnxruntime up, so the first request does not pay for it. ``VerifyCostModel``
-interpolates that table and adds the per-call overhead it observes online (hops,
-object store, the machine's current load), so the in-process engine and the server
-each plan with what a call costs *them*.
+interpolates that table and adds what it observes real calls cost beyond it, per
+batch-size bucket (hops, object store, the machine's current load), so the in-process
+engine and the server each plan with what a call costs *them*.
 """
 from __future__ import annotations
 
@@ -94,36 +94,32 @@ def measure_verify_costs(target: CachedDecoder, max_batch: int, repeats: int = 2
     return VerifyCostTable(seconds)
 
 
-class VerifyCostModel:
-    """The measured table plus a correction learnt online from real calls:
-    ``overhead + per_row * rows``. The overhead is what this transport adds per call (hops,
-    serialisation, load); the per-row part is what the calibration's short pasts miss
-    (attention over a real request's longer past). Least squares on the residuals with
-    exponential forgetting; until the calls seen differ enough in rows to tell the two
-    apart, all of the correction is overhead."""
+def load_bucket(sequences: int) -> int:
+    """Corrections are learnt per batch-size bucket (1, 2-3, 4-7, 8-15, 16-31, 32-63, ...):
+    what a call costs beyond the table at 32 sequences says nothing about 1."""
+    return max(1, sequences).bit_length()
 
-    def __init__(self, table: VerifyCostTable, forgetting: float = 0.98) -> None:
-        self.table, self.forgetting = table, forgetting
-        self.overhead, self.per_row = 0.0, 0.0
-        self._sums = [0.0] * 5  # w, sum rows, sum residual, sum rows^2, sum rows*residual
+
+class VerifyCostModel:
+    """The measured table plus what real calls add to it, learnt online per batch-size
+    bucket (an exponentially weighted residual): the transport's per-call overhead (hops,
+    serialisation), attention over a real request's past (longer than the calibration's),
+    the machine's current load."""
+
+    def __init__(self, table: VerifyCostTable, smoothing: float = 0.1) -> None:
+        self.table, self.smoothing = table, smoothing
+        self.overhead: dict[int, float] = {}
 
     def predict(self, batch: int, rows: int) -> float:
-        return self.table.predict(batch, rows) + self.overhead + self.per_row * rows
+        return self.table.predict(batch, rows) + self.overhead.get(load_bucket(batch), 0.0)
 
     def observe(self, batch: int, rows: int, seconds: float) -> None:
         """One target call of ``batch`` verifies, padded to ``rows`` rows in all, took ``seconds``."""
+        bucket = load_bucket(batch)
         residual = seconds - self.table.predict(batch, rows)
-        sums = self._sums
-        for i, value in enumerate((1.0, rows, residual, rows * rows, rows * residual)):
-            sums[i] = sums[i] * self.forgetting + value
-        w, sx, sy, sxx, sxy = sums
-        mean_x, mean_y = sx / w, sy / w
-        variance = sxx / w - mean_x * mean_x
-        if variance > 1.0 and w > 10:  # rows have varied by more than one: the slope is identifiable
-            self.per_row = max(0.0, (sxy / w - mean_x * mean_y) / variance)
-        else:
-            self.per_row = 0.0
-        self.overhead = mean_y - self.per_row * mean_x
+        previous = self.overhead.get(bucket)
+        self.overhead[bucket] = residual if previous is None else \
+            (1 - self.smoothing) * previous + self.smoothing * residual
 
 
 @dataclass(frozen=True)
@@ -153,10 +149,10 @@ class DraftCostModel:
     the per-call overhead observed online (hops, load). A mode without a table costs
     nothing until measured, so it gets tried."""
 
-    def __init__(self, batched: frozenset[str], smoothing: float = 0.05) -> None:
+    def __init__(self, batched: frozenset[str], smoothing: float = 0.1) -> None:
         self.coefficients: dict[str, tuple[float, float, float, float]] = {}
         self.batched, self.smoothing = batched, smoothing
-        self.overhead: dict[str, float] = {}
+        self.overhead: dict[tuple[str, int], float] = {}  # (mode, batch-size bucket) -> learnt residual
 
     def add(self, mode: str, table: DraftCostTable) -> None:
         self.coefficients[mode] = table.coefficients()
@@ -165,18 +161,24 @@ class DraftCostModel:
         """Seconds one more draft of one sequence adds (a draft model's step)."""
         return self.coefficients[mode][3] if mode in self.coefficients else 0.0
 
+    def _table(self, mode: str, n: int, steps: int, draft_tokens: int) -> float:
+        per_call, per_seq, per_step, per_seq_step = self.coefficients[mode]
+        work = n * steps if mode in self.batched else draft_tokens
+        return per_call + n * per_seq + steps * per_step + work * per_seq_step
+
     def predict(self, mode: str, n: int, steps: int, draft_tokens: int) -> float:
         if n <= 0 or mode not in self.coefficients:
             return 0.0
-        per_call, per_seq, per_step, per_seq_step = self.coefficients[mode]
-        work = n * steps if mode in self.batched else draft_tokens
-        return per_call + n * per_seq + steps * per_step + work * per_seq_step + self.overhead.get(mode, 0.0)
+        return self._table(mode, n, steps, draft_tokens) + self.overhead.get((mode, load_bucket(n)), 0.0)
 
     def observe(self, mode: str, n: int, steps: int, draft_tokens: int, seconds: float) -> None:
         if mode not in self.coefficients or n <= 0:
             return
-        residual = seconds - (self.predict(mode, n, steps, draft_tokens) - self.overhead.get(mode, 0.0))
-        self.overhead[mode] = (1 - self.smoothing) * self.overhead.get(mode, 0.0) + self.smoothing * residual
+        key = (mode, load_bucket(n))
+        residual = seconds - self._table(mode, n, steps, draft_tokens)
+        previous = self.overhead.get(key)
+        self.overhead[key] = residual if previous is None else \
+            (1 - self.smoothing) * previous + self.smoothing * residual
 
 
 def measure_draft_costs(new_proposer, anchor, vocab: int, batch: int = 8, repeats: int = 3) -> DraftCostTable:

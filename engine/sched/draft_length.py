@@ -13,8 +13,8 @@ the expected committed tokens per second of the whole batch:
 ``alpha_s,j`` is the sequence's live acceptance of draft position j given the drafts
 before it were accepted, shrunk toward its mode's average while the sequence has few
 rounds. ``T_verify`` and ``T_draft`` are the target's and each proposer's costs,
-measured when their workers start (``sched.costs``) and corrected online by the
-per-call overhead this transport adds. k = 0 is a plain target round. Rounds stay
+measured when their workers start (``sched.costs``) and corrected online by what
+real calls cost beyond them, per batch-size bucket. k = 0 is a plain target round. Rounds stay
 lossless whatever k is: only how many drafts are verified changes, never how.
 """
 from __future__ import annotations
