@@ -14,8 +14,8 @@ the expected committed tokens per second of the whole batch:
 before it were accepted, shrunk toward its mode's average while the sequence has few
 rounds. ``T_verify`` and ``T_draft`` are the target's and each proposer's costs,
 measured when their workers start (``sched.costs``) and corrected online by what
-real calls cost beyond them, per batch-size bucket. k = 0 is a plain target round. Rounds stay
-lossless whatever k is: only how many drafts are verified changes, never how.
+real calls cost beyond them, per batch-size bucket. k = 0 is a plain target round.
+Rounds stay lossless whatever k is: only how many drafts are verified changes, never how.
 """
 from __future__ import annotations
 
