@@ -76,11 +76,14 @@ def test_a_pinned_request_keeps_its_k_and_a_plan_never_exceeds_k_max():
 
 
 def test_the_verify_pass_is_costed_padded_to_the_longest_sequence():
-    """A batched verify computes every sequence to the longest one's rows: once one
-    sequence drafts 4, the others' drafts cost no more target work, so with the same
-    acceptance they draft as far as the longest."""
-    plan = controller({"eagle3": 0.75}).plan(requests("eagle3", 16))
-    assert len(set(plan)) == 1
+    """A batched verify computes every sequence to the longest one's rows. So when 2 of
+    32 lookups found drafts, verifying them would pad all 32 to 5 rows: not worth it; when
+    24 found drafts, the padding is shared and it is. (Costed by total rows instead, the
+    2 sequences' 8 rows would look cheap and be verified.)"""
+    loaded = controller({"prompt_lookup": 0.84})
+    found = lambda n: [DraftRequest(i, "prompt_lookup", 4 if i < n else 0, True) for i in range(32)]
+    assert loaded.plan(found(2)) == [0] * 32
+    assert loaded.plan(found(24))[:24] == [4] * 24
 
 
 def test_acceptance_is_conditional_on_reaching_a_position():

@@ -278,13 +278,14 @@ class RoundCoordinator:
         for mode in {run.driver.mode for run in adaptive if run.driver.remote_proposer} - self._costed_modes:
             self._costed_modes.add(mode)
             self.draft_lengths.draft_costs.add(mode, await self.transport.draft_costs(mode))
-        calls: dict[str, list[_Run]] = defaultdict(list)
         for run in decoding:
             driver = run.driver
             driver.round_drafts = driver.max_drafts() if driver.local_proposer is None else driver.drafted
+        if not adaptive:
+            return  # every round drafts its maximum: nothing to plan
+        calls: dict[str, list[_Run]] = defaultdict(list)
+        for run in decoding:
             calls[run.grant.replica].append(run)
-        if self.draft_lengths is None:
-            return
         for runs in calls.values():
             if not any(run.driver.adaptive for run in runs):
                 continue
