@@ -1,7 +1,8 @@
 """Rebuild ``models/`` from scratch, offline: ``python -m modelbuild [--out models]``.
 
 Stages: corpus -> BPE tokenizer -> target (next-token CE) -> draft (distilled from the
-target) -> float16 checkpoints + ONNX export (checked against torch) -> embedding and
+target) -> float16 checkpoints + ONNX export (traced, checked against torch, then rewritten as the
+fused graph of ``fused_graph.py`` and checked against the traced one) -> embedding and
 LM-head arrays -> cost measurement -> manifest. Seeds are fixed; step counts are fixed.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from engine.model.manifest import (Architecture, ArrayEntry, BundleManifest, Cor
 
 from .corpus import load_corpus
 from .export import WEIGHTS_FILE, aux_output_name, export_onnx, save_checkpoint
+from .fused_graph import fuse_in_place
 from .llama import LlamaForCausalLM, LlamaShape
 from .head_stage import HEAD_STEPS, build_heads
 from .prompts import main as write_heldout_prompts
@@ -102,6 +104,9 @@ def save_model(model: LlamaForCausalLM, out_dir: Path, tokenizer_path: Path, eos
         "model_max_length": model.shape.max_position_embeddings}, indent=2) + "\n")
     diff = check_export(model, onnx_path, tokens)
     print(f"  exported {onnx_path} (onnxruntime vs torch: max |dlogits| = {diff:.2e})")
+    # The traced graph is the reference; the served one is the fused graph, checked against it.
+    fused_diff = fuse_in_place(out_dir, aux)
+    print(f"  fused graph written over it (max |diff| vs the traced graph = {fused_diff:.2e})")
 
 
 def load_model(shape: LlamaShape, directory: Path) -> LlamaForCausalLM:

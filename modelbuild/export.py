@@ -18,10 +18,11 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .llama import LlamaForCausalLM
+from .weights_file import IR_VERSION, WEIGHTS_FILE, aux_output_name, safetensors_offsets
+
+__all__ = ["WEIGHTS_FILE", "aux_output_name", "export_onnx", "export_graph", "save_checkpoint"]
 
 OPSET = 17
-IR_VERSION = 10  # onnxruntime 1.31 reads IR <= 13; onnx >= 1.23 would write 14.
-WEIGHTS_FILE = "model.safetensors"
 
 
 class _ExportWrapper(nn.Module):
@@ -43,10 +44,6 @@ class _ExportWrapper(nn.Module):
         return tuple(outputs)
 
 
-def aux_output_name(layer: int) -> str:
-    return f"aux_hidden.{layer}"
-
-
 def save_checkpoint(model: nn.Module, out_dir: Path, hf_config: dict) -> dict[str, torch.Tensor]:
     """Write ``model.safetensors`` (float16) + ``config.json``; return the saved tensors."""
     tensors = {name: t.detach().to(torch.float16).contiguous() for name, t in model.state_dict().items()
@@ -54,15 +51,6 @@ def save_checkpoint(model: nn.Module, out_dir: Path, hf_config: dict) -> dict[st
     save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     return tensors
-
-
-def _safetensors_offsets(path: Path) -> dict[str, tuple[int, int]]:
-    raw = path.read_bytes()[:8]
-    header_len = int.from_bytes(raw, "little")
-    header = json.loads(path.read_bytes()[8 : 8 + header_len])
-    base = 8 + header_len
-    return {name: (base + meta["data_offsets"][0], meta["data_offsets"][1] - meta["data_offsets"][0])
-            for name, meta in header.items() if name != "__metadata__"}
 
 
 def export_onnx(model: LlamaForCausalLM, out_dir: Path, aux_layers: tuple[int, ...] = ()) -> Path:
@@ -111,7 +99,7 @@ def export_graph(wrapper: nn.Module, example: tuple, input_names: list[str], out
 def _externalise_weights(onnx_path: Path, weights_path: Path, prefix: str) -> None:
     graph_model = onnx.load(str(onnx_path))
     graph = graph_model.graph
-    offsets = _safetensors_offsets(weights_path)
+    offsets = safetensors_offsets(weights_path)
     kept, casts, renamed = [], [], {}
     for init in graph.initializer:
         name = init.name[len(prefix):] if init.name.startswith(prefix) else init.name

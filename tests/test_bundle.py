@@ -121,3 +121,18 @@ def test_hidden_state_outputs_named_in_the_manifest_exist(manifest):
     assert {names.final, names.low, names.mid, names.high} <= outputs
     low, mid, high = names.layer_indices
     assert 0 < low < mid < high < manifest.models["target"].architecture.num_layers
+
+
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_served_graphs_are_what_the_fused_graph_builder_writes_from_the_checkpoint(role, manifest, tmp_path):
+    """``models/*/model.onnx`` is reproducible: rebuilt from the checkpoint by
+    ``modelbuild.fused_graph`` it computes the same outputs (a hand-edited or stale graph
+    fails here; the held-out-loss test above ties the weights to what torch trained)."""
+    from modelbuild.fused_graph import build_fused_decoder, parity
+
+    entry = manifest.models[role]
+    for name in (entry.config, entry.weights):
+        (tmp_path / name).write_bytes((MODELS / entry.directory / name).read_bytes())
+    aux = entry.hidden_outputs.layer_indices or ()
+    rebuilt = build_fused_decoder(tmp_path, tmp_path / "model.onnx", tuple(aux))
+    assert parity(MODELS / entry.directory / entry.onnx, rebuilt) == 0.0

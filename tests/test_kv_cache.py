@@ -138,6 +138,40 @@ class CacheMachine(RuleBasedStateMachine):
             self.ref.append(sid, [k.reshape(k.shape[-3:]) for k in keys],
                             [v.reshape(v.shape[-3:]) for v in values])
 
+    @precondition(lambda self: self.WINDOW is None and self.ref.kv)
+    @rule(data=st.data(), seed=st.integers(0, 2**32 - 1))
+    def session_steps(self, data, seed):
+        """What the decoder does: feed the session's own past, hand back its whole output
+        (old slots + batch padding + new tokens), rewind some; between steps the pools are
+        never read, so pending tokens and dead slots pile up across rewinds."""
+        sid = data.draw(st.sampled_from(sorted(self.ref.kv)))
+        rng = np.random.default_rng(seed)
+        for _ in range(data.draw(st.integers(1, 4))):
+            n, pad = data.draw(st.integers(1, 5)), data.draw(st.integers(0, 3))
+            if self.cache.blocks_needed(sid, n) > self.cache.free_blocks:
+                with pytest.raises(KVCacheCapacityError):
+                    self.cache.append_from_session(sid, *self._session_output(sid, n, pad, rng))
+                return
+            keys, values, alive = self._session_output(sid, n, pad, rng)
+            self.cache.append_from_session(sid, keys, values, alive)
+            self.ref.append(sid, [k[0][:, -n:] for k in keys], [v[0][:, -n:] for v in values])
+            self.cache.rewind(sid, length := data.draw(st.integers(0, self.ref.length(sid))))
+            self.ref.rewind(sid, length)
+            past = self.cache.session_past(sid)
+            for (k, v), (rk, rv) in zip(zip(past.keys, past.values), self.ref.kv[sid]):
+                assert np.array_equal(k[0][:, past.alive], rk) and np.array_equal(v[0][:, past.alive], rv)
+
+    def _session_output(self, sid, n, pad, rng):
+        """The past the session was fed, ``pad`` padding slots, then ``n`` new tokens."""
+        past = self.cache.session_past(sid)
+        keys, values = [], []
+        for g, k, v in zip(GEOMETRY, past.keys, past.values):
+            extra = rng.standard_normal((2, 1, g.num_kv_heads, pad + n, g.head_dim)).astype(np.float32)
+            keys.append(np.concatenate([k, extra[0]], axis=2))
+            values.append(np.concatenate([v, extra[1]], axis=2))
+        alive = np.concatenate([past.alive, np.zeros(pad, np.bool_), np.ones(n, np.bool_)])
+        return keys, values, alive
+
     @precondition(lambda self: self.ref.kv)
     @rule(data=st.data())
     def rewind(self, data):
@@ -225,6 +259,44 @@ def _cache(**kw) -> PagedKVCache:
     kw.setdefault("num_blocks", 8)
     kw.setdefault("block_size", BLOCK)
     return PagedKVCache(GEOMETRY, **kw)
+
+
+def test_session_past_is_the_sessions_own_output_and_rewinds_only_close_slots():
+    cache = _cache()
+    cache.add_sequence("a")
+    keys, values = _kv(6, seed=1, batch_axis=True)
+    cache.append_from_session("a", keys, values, np.ones(6, np.bool_))
+    past = cache.session_past("a")
+    assert past.keys[0] is keys[0]  # fed back as is: no gather, no copy
+    cache.rewind("a", 4)
+    past = cache.session_past("a")
+    assert past.keys[0] is keys[0] and past.alive.tolist() == [True] * 4 + [False] * 2
+    np.testing.assert_array_equal(cache.materialize("a")[1][0], keys[1][:, :, :4])  # pending data written out
+
+
+def test_a_session_copy_with_too_many_dead_slots_is_regathered_compact():
+    cache = _cache(num_blocks=32)
+    cache.add_sequence("a")
+    keys, values = _kv(80, seed=2, batch_axis=True)
+    alive = np.ones(80, np.bool_)
+    alive[10:50] = False  # 40 dead slots of 80: over both limits
+    cache.append_from_session("a", keys, values, alive)
+    past = cache.session_past("a")
+    assert past.alive.all() and past.keys[0].shape[2] == 40
+    np.testing.assert_array_equal(past.keys[0][0], np.concatenate([keys[0][0][:, :10], keys[0][0][:, 50:]], axis=1))
+
+
+def test_session_appends_are_refused_under_a_window_and_when_nothing_is_new():
+    windowed = _cache(sliding_window=6, sink_tokens=2)
+    windowed.add_sequence("a")
+    keys, values = _kv(3, seed=3, batch_axis=True)
+    with pytest.raises(ValueError, match="sliding window"):
+        windowed.append_from_session("a", keys, values, np.ones(3, np.bool_))
+    cache = _cache()
+    cache.add_sequence("a")
+    with pytest.raises(ValueError, match="nothing new"):
+        cache.append_from_session("a", keys, values, np.zeros(3, np.bool_))
+    assert cache.length("a") == 0
 
 
 def test_capacity_error_is_typed_and_leaves_everything_intact():

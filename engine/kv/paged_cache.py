@@ -15,6 +15,16 @@ is moved: a sequence counts ``dropped`` evicted slots in *physical* slot space, 
 ``r`` lives at physical slot ``r`` if ``r < sink_tokens`` else ``r + dropped``. A block whose slots
 all lie in the evicted range ``[sink_tokens, sink_tokens + dropped)`` goes back to the free list
 and its table entry becomes ``None`` (a hole).
+
+Session-layout copies (``session_past`` / ``append_from_session``): gathering every
+sequence's whole past out of the pools on every model call costs as much as a small
+model's step. So the cache also keeps, per sequence, the dense per-layer tensors the
+session itself returned last time (its ``present`` outputs), with a bool ``alive`` per
+slot. The next call feeds them back as the past unchanged, and a rewind only marks the
+rejected slots dead (the attention mask closes them), so neither a step nor a rewind
+copies the past. The new tokens reach the pools lazily, when something reads the pools
+(``materialize``, ``slice``) or the copy is dropped: one with too many dead slots is
+written out and re-gathered from the pools on next use.
 """
 from __future__ import annotations
 
@@ -30,6 +40,7 @@ __all__ = [
     "KVCacheError",
     "LayerGeometry",
     "PagedKVCache",
+    "SessionPast",
     "UnknownSequenceError",
 ]
 
@@ -65,10 +76,32 @@ class _Seq:
     end: int = 0
     dropped: int = 0
     reserved: list[int] | None = None  # blocks granted up front (by a KV manager), used in order
+    session: "SessionPast | None" = None  # last dense past in the session's layout, see module docstring
+    written: int = 0  # retained tokens whose KV is in the pools; the rest only in ``session``
 
     @property
     def length(self) -> int:
         return self.end - self.dropped
+
+
+@dataclass
+class SessionPast:
+    """A sequence's past as the model session consumes it: per layer ``[1, heads, T, dim]``
+    key/value tensors whose slot ``t`` is a real retained token iff ``alive[t]``. Dead
+    slots (rejected drafts, batch padding) are closed by the attention mask."""
+
+    keys: list[np.ndarray]
+    values: list[np.ndarray]
+    alive: np.ndarray  # bool [T]
+
+    @property
+    def dead(self) -> int:
+        return int(self.alive.size - np.count_nonzero(self.alive))
+
+
+# Re-gather from the pools once dead slots are this many and this share of the copy:
+# each dead slot costs attention compute on every later call.
+_MAX_DEAD_SLOTS, _MAX_DEAD_SHARE = 32, 0.25
 
 
 @dataclass(frozen=True)
@@ -266,7 +299,7 @@ class PagedKVCache:
         dropped = self._window_dropped(s.length, s.dropped)
         if dropped != s.dropped:
             newly_dead = self._newly_dead(s, dropped)
-            s.dropped = dropped
+            s.dropped, s.session = dropped, None  # append_from_session refuses windows: nothing pending
             self._release(s, newly_dead)
 
     def append(self, seq_id: Hashable, keys: Sequence[np.ndarray], values: Sequence[np.ndarray]) -> None:
@@ -277,6 +310,45 @@ class PagedKVCache:
         """
         s = self._get(seq_id)
         keys, values, n = self._check_kv(keys, values)
+        self._flush(s)
+        old_end = self._allocate(seq_id, s, n)
+        s.session = None
+        # Write only the new tokens that survived the eviction (some may be evicted at once).
+        slots = np.arange(old_end, s.end)
+        alive = (slots < self.sink_tokens) | (slots >= self.sink_tokens + s.dropped)
+        self._write(s, slots[alive], [k[:, alive] for k in keys], [v[:, alive] for v in values])
+        s.written = s.length
+
+    def append_from_session(self, seq_id: Hashable, keys: Sequence[np.ndarray], values: Sequence[np.ndarray],
+                            alive: np.ndarray) -> None:
+        """Append the new tokens of a model call given the session's whole output: per layer
+        ``present`` tensors ``[1, heads, T, dim]`` (the past fed plus the new tokens) and
+        which of their ``T`` slots are real. That output becomes the sequence's past for
+        the next call (``session_past``); the pools get the new tokens' data only when
+        something reads them (``materialize``, ``slice``), so a step copies nothing.
+
+        Atomic like ``append``. Not under a sliding window, whose evictions the session's
+        copy cannot follow: use ``append`` there.
+        """
+        if self.sliding_window is not None:
+            raise ValueError("append_from_session needs a cache without a sliding window; use append")
+        s = self._get(seq_id)
+        alive = np.asarray(alive, np.bool_)
+        n = int(np.count_nonzero(alive)) - s.length
+        if n < 1:
+            raise ValueError(f"the session output holds {n + s.length} live slots; sequence {seq_id!r} "
+                             f"already retains {s.length}, so there is nothing new to append")
+        for arrays in (keys, values):
+            if len(arrays) != len(self.layers) or any(
+                    a.shape != (1, g.num_kv_heads, alive.size, g.head_dim) for a, g in zip(arrays, self.layers)):
+                raise ValueError(f"session output must be one [1, heads, {alive.size}, dim] tensor per layer "
+                                 f"matching the cache geometry")
+        self._allocate(seq_id, s, n)
+        s.session = SessionPast(list(keys), list(values), alive)
+
+    def _allocate(self, seq_id: Hashable, s: _Seq, n: int) -> int:
+        """Give the sequence ``n`` more token slots (and blocks), applying the window;
+        returns the old physical end. Raises before changing anything if they do not fit."""
         plan = self._plan_append(s, n)
         # A reserved sequence draws from its grant; blocks its own window eviction frees go
         # back to the grant before the new ones are taken, so only the net count must fit.
@@ -296,19 +368,29 @@ class PagedKVCache:
         self.apply_sliding_window(seq_id)
         for b in plan.allocate:
             s.table[b] = self._free.pop() if s.reserved is None else s.reserved.pop(0)
+        return old_end
 
-        # Write only the new tokens that survived the eviction (some may be evicted at once).
-        slots = np.arange(old_end, s.end)
-        alive = (slots < self.sink_tokens) | (slots >= self.sink_tokens + s.dropped)
-        slots = slots[alive]
-        if slots.size:
-            src = np.flatnonzero(alive)
-            table = np.asarray([-1 if b is None else b for b in s.table])
-            blocks, offsets = table[slots // self.block_size], slots % self.block_size
-            for pools, arrays in ((self._key_pools, keys), (self._value_pools, values)):
-                for pool, arr in zip(pools, arrays):
-                    # pool[blocks, :, offsets, :] has shape [k, heads, head_dim].
-                    pool[blocks, :, offsets, :] = arr[:, src, :].transpose(1, 0, 2)
+    def _write(self, s: _Seq, slots: np.ndarray, keys: Sequence[np.ndarray], values: Sequence[np.ndarray]) -> None:
+        """Store per-layer ``[heads, len(slots), dim]`` data at physical ``slots``."""
+        if not slots.size:
+            return
+        table = np.asarray([-1 if b is None else b for b in s.table])
+        blocks, offsets = table[slots // self.block_size], slots % self.block_size
+        for pools, arrays in ((self._key_pools, keys), (self._value_pools, values)):
+            for pool, arr in zip(pools, arrays):
+                # pool[blocks, :, offsets, :] has shape [k, heads, head_dim].
+                pool[blocks, :, offsets, :] = arr.transpose(1, 0, 2)
+
+    def _flush(self, s: _Seq) -> None:
+        """Write tokens that so far live only in the session's copy into the pools (no
+        window when any are pending, so logical index = physical slot)."""
+        if s.written >= s.length:
+            return
+        assert s.session is not None, "pending KV without the session copy that holds it"
+        live = np.flatnonzero(s.session.alive)[s.written : s.length]
+        self._write(s, np.arange(s.written, s.length), [k[0][:, live] for k in s.session.keys],
+                    [v[0][:, live] for v in s.session.values])
+        s.written = s.length
 
     def _check_kv(self, keys: Sequence[np.ndarray], values: Sequence[np.ndarray]
                   ) -> tuple[list[np.ndarray], list[np.ndarray], int]:
@@ -345,6 +427,10 @@ class PagedKVCache:
         s = self._get(seq_id)
         if not 0 <= length <= s.length:
             raise ValueError(f"rewind length must be in [0, {s.length}] for sequence {seq_id!r}, got {length}")
+        if s.session is not None and length < s.length:
+            alive_slots = np.flatnonzero(s.session.alive)
+            s.session.alive[alive_slots[length:]] = False
+        s.written = min(s.written, length)
         if length < self.sink_tokens or s.dropped == 0:
             s.dropped, s.end = 0, length
         else:
@@ -388,14 +474,30 @@ class PagedKVCache:
     def materialize(self, seq_id: Hashable) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per layer dense ``(key, value)``, each ``[1, kv_heads_l, length, head_dim_l]`` (copies)."""
         s = self._get(seq_id)
+        self._flush(s)
         segs = self._segments(s)
         return [(self._gather(k, s, segs), self._gather(v, s, segs))
                 for k, v in zip(self._key_pools, self._value_pools)]
+
+    def session_past(self, seq_id: Hashable) -> SessionPast:
+        """The sequence's past in the session's layout, possibly with dead slots: the copy
+        kept from the last call, or a fresh gather from the pools (see module docstring).
+        Callers must not write into the returned tensors."""
+        s = self._get(seq_id)
+        kept = s.session
+        if kept is not None and kept.dead >= _MAX_DEAD_SLOTS and kept.dead >= _MAX_DEAD_SHARE * kept.alive.size:
+            kept = None
+        if kept is None:
+            layers = self.materialize(seq_id)  # writes pending tokens out of the old copy first
+            kept = SessionPast([k for k, _ in layers], [v for _, v in layers], np.ones(s.length, np.bool_))
+            s.session = kept
+        return kept
 
     def slice(self, seq_id: Hashable, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """One layer's dense ``(key, value)``, each ``[1, kv_heads_l, length, head_dim_l]``."""
         s = self._get(seq_id)
         if not 0 <= layer < len(self.layers):
             raise IndexError(f"layer {layer} out of range: the cache has {len(self.layers)} layers")
+        self._flush(s)
         segs = self._segments(s)
         return self._gather(self._key_pools[layer], s, segs), self._gather(self._value_pools[layer], s, segs)

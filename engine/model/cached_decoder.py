@@ -12,7 +12,7 @@ from typing import Hashable, Sequence
 import numpy as np
 
 from engine.errors import ModelLoadError
-from engine.kv.paged_cache import KVCacheCapacityError, PagedKVCache
+from engine.kv.paged_cache import KVCacheCapacityError, PagedKVCache, SessionPast
 from engine.model.onnx_model import OnnxDecoder
 from engine.config import EngineConfig
 from engine.model.probe import check_finite
@@ -82,8 +82,14 @@ class CachedDecoder:
         if needed > self.cache.free_blocks:
             raise KVCacheCapacityError(f"sequences {[r.seq_id for r in requests]} need {needed} KV blocks, "
                                        f"{self.cache.free_blocks} free")
-        pasts = [self.cache.materialize(r.seq_id) for r in requests]
-        past_lens = [p[0][0].shape[2] for p in pasts]
+        # Pasts in the session's own layout: last call's presents, rejected slots dead
+        # (closed by the mask), so nothing is gathered or copied at batch 1. A graph that
+        # derives positions from the mask (no position_ids) cannot skip dead slots, and a
+        # sliding window evicts from the middle: those gather from the pools every call.
+        session_layout = self.decoder.io.position_ids is not None and self.cache.sliding_window is None
+        pasts = [self.cache.session_past(r.seq_id) if session_layout else self._gathered_past(r.seq_id)
+                 for r in requests]
+        past_lens = [p.alive.size for p in pasts]
         new_lens = [len(r.tokens) for r in requests]
         if min(new_lens) < 1:
             raise ValueError("every sequence in a batch must feed at least one token")
@@ -94,28 +100,38 @@ class CachedDecoder:
         for i, r in enumerate(requests):
             ids[i, : new_lens[i]] = r.tokens
             positions[i] = r.first_position + np.minimum(np.arange(most_new), new_lens[i] - 1)
-            mask[i, : past_lens[i]] = 1
+            mask[i, : past_lens[i]] = pasts[i].alive
             mask[i, longest_past : longest_past + new_lens[i]] = 1
         if batch == 1:
-            past = pasts[0]
+            past = list(zip(pasts[0].keys, pasts[0].values))
         else:
             past = []
             for layer, geometry in enumerate(self.decoder.layers):
                 shape = (batch, geometry.num_kv_heads, longest_past, geometry.head_dim)
                 key, value = np.zeros(shape, self.decoder.kv_dtype), np.zeros(shape, self.decoder.kv_dtype)
                 for i, seq_past in enumerate(pasts):
-                    key[i, :, : past_lens[i]] = seq_past[layer][0][0]
-                    value[i, :, : past_lens[i]] = seq_past[layer][1][0]
+                    key[i, :, : past_lens[i]] = seq_past.keys[layer][0]
+                    value[i, :, : past_lens[i]] = seq_past.values[layer][0]
                 past.append((key, value))
         out = self.decoder.forward(ids, mask, positions, past)
         outputs = []
         for i, r in enumerate(requests):
             new = slice(longest_past, longest_past + new_lens[i])
-            self.cache.append(r.seq_id, [k[i : i + 1, :, new] for k, _ in out.presents],
-                              [v[i : i + 1, :, new] for _, v in out.presents])
+            if session_layout:  # row i of the presents, whole (contiguous): padding slots are dead
+                self.cache.append_from_session(r.seq_id, [k[i : i + 1] for k, _ in out.presents],
+                                               [v[i : i + 1] for _, v in out.presents], mask[i].astype(np.bool_))
+            else:
+                self.cache.append(r.seq_id, [k[i : i + 1, :, new] for k, _ in out.presents],
+                                  [v[i : i + 1, :, new] for _, v in out.presents])
             outputs.append(SequenceOutput(out.logits[i, : new_lens[i]],
                                           {name: value[i, : new_lens[i]] for name, value in out.extras.items()}))
         return outputs
+
+    def _gathered_past(self, seq_id) -> SessionPast:
+        """A dense past with no dead slots, for graphs that need one (see ``feed_batch``)."""
+        layers = self.cache.materialize(seq_id)
+        return SessionPast([k for k, _ in layers], [v for _, v in layers],
+                           np.ones(self.cache.length(seq_id), np.bool_))
 
     def probe(self) -> None:
         """Run the real session on one token (no past) and check the logits are finite."""
