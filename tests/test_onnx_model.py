@@ -105,6 +105,33 @@ def test_genai_config_name_templates_are_honoured(tmp_path):
     np.testing.assert_allclose(run_steps(renamed, TOKENS), run_steps(OnnxDecoder(DRAFT_DIR, "cpu"), TOKENS), atol=1e-5)
 
 
+def _symbolic_kv_dims(graph):
+    """What onnxruntime-genai's builder declares: ``[batch_size, kv_heads, past, 'kv_cache_dim']``."""
+    for value in graph.input:
+        if value.name.startswith("past_key_values."):
+            dims = value.type.tensor_type.shape.dim
+            dims[1].dim_param, dims[3].dim_param = "kv_heads", "kv_cache_dim"
+
+
+@pytest.mark.parametrize("declared, error", [
+    ({"num_key_value_heads": 2, "head_size": 32}, None),
+    ({"num_key_value_heads": 2, "head_size": 16}, "genai_config.json"),  # a wrong size fails the first run
+    ({"num_key_value_heads": 2}, "head_size"),  # a size stated nowhere
+])
+def test_symbolic_kv_sizes_come_from_genai_config_and_are_checked(tmp_path, declared, error):
+    model_dir = copy_model(tmp_path)
+    edit_graph(model_dir, _symbolic_kv_dims)
+    (model_dir / "genai_config.json").write_text(json.dumps({"model": {"decoder": {"filename": "model.onnx",
+                                                                                   **declared}}}))
+    if error:
+        with pytest.raises(ModelLoadError, match=error):
+            OnnxDecoder(model_dir, "cpu")
+        return
+    decoder = OnnxDecoder(model_dir, "cpu")
+    assert {(g.num_kv_heads, g.head_dim) for g in decoder.layers} == {(2, 32)}
+    np.testing.assert_allclose(run_steps(decoder, TOKENS), run_steps(OnnxDecoder(DRAFT_DIR, "cpu"), TOKENS), atol=1e-5)
+
+
 def test_models_without_position_ids_are_fed_without_them(tmp_path):
     """GroupQueryAttention exports derive positions from the past length; emulate one."""
     model_dir = copy_model(tmp_path)

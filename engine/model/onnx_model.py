@@ -22,6 +22,8 @@ from engine.model.providers import Device, create_session, session_options
 _ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16,
                "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
 Past = Sequence[tuple[np.ndarray, np.ndarray]]
+_state = ort.capi.onnxruntime_pybind11_state
+_ORT_ERRORS = (_state.InvalidArgument, _state.RuntimeException, _state.Fail)  # what a bad feed raises
 
 
 @dataclass(frozen=True)
@@ -141,19 +143,32 @@ class OnnxDecoder:
         )
 
     def _kv_geometry(self) -> tuple[tuple[LayerGeometry, ...], np.dtype]:
+        """Each layer's KV head count and head dim, from the graph; an export that declares
+        them symbolically (onnxruntime-genai writes ``kv_cache_dim``) gets them from
+        ``genai_config.json``, and the load-time probe run then checks them."""
+        declared = self._read_json("genai_config.json").get("model", {}).get("decoder", {})
+        fallback = {1: declared.get("num_key_value_heads"), 3: declared.get("head_size")}
         layers, dtypes = [], set()
-        for name in self.io.past_keys + self.io.past_values:
-            arg = self._inputs[name]
-            shape = arg.shape
-            if len(shape) != 4 or not isinstance(shape[1], int) or not isinstance(shape[3], int):
-                raise ModelLoadError(f"{self.onnx_path}: '{name}' must be [batch, kv_heads, past, head_dim] with "
-                                     f"fixed kv_heads and head_dim, got {shape}")
-            dtypes.add(arg.type)
         for key_name, value_name in zip(self.io.past_keys, self.io.past_values):
-            key_shape, value_shape = self._inputs[key_name].shape, self._inputs[value_name].shape
-            if key_shape[1] != value_shape[1] or key_shape[3] != value_shape[3]:
-                raise ModelLoadError(f"{self.onnx_path}: '{key_name}' {key_shape} and '{value_name}' {value_shape} differ")
-            layers.append(LayerGeometry(num_kv_heads=key_shape[1], head_dim=key_shape[3]))
+            dims = []
+            for name in (key_name, value_name):
+                arg = self._inputs[name]
+                dtypes.add(arg.type)
+                shape = list(arg.shape)
+                if len(shape) != 4:
+                    raise ModelLoadError(f"{self.onnx_path}: '{name}' must be [batch, kv_heads, past, head_dim], got {shape}")
+                for axis, what in ((1, "num_key_value_heads"), (3, "head_size")):
+                    if not isinstance(shape[axis], int):
+                        if not isinstance(fallback[axis], int):
+                            raise ModelLoadError(
+                                f"{self.onnx_path}: '{name}' declares {what} symbolically ({shape[axis]!r}) and no "
+                                f"genai_config.json beside it states model.decoder.{what}")
+                        shape[axis] = fallback[axis]
+                dims.append((shape[1], shape[3]))
+            if dims[0] != dims[1]:
+                raise ModelLoadError(f"{self.onnx_path}: '{key_name}' and '{value_name}' differ in kv_heads/head_dim "
+                                     f"({dims[0]} vs {dims[1]})")
+            layers.append(LayerGeometry(num_kv_heads=dims[0][0], head_dim=dims[0][1]))
         if len(dtypes) != 1 or next(iter(dtypes)) not in ("tensor(float)", "tensor(float16)"):
             raise ModelLoadError(f"{self.onnx_path}: KV inputs must share one float dtype, got {sorted(dtypes)}")
         return tuple(layers), np.dtype(_ORT_DTYPES[dtypes.pop()])
@@ -165,7 +180,19 @@ class OnnxDecoder:
         if len(logits_shape) == 3 and logits_shape[1] == 1:
             raise ModelLoadError(f"{self.onnx_path}: output '{self.io.logits}' is pruned to the last position "
                                  f"(shape {logits_shape}); speculative verification needs logits for every position")
-        out = self.forward(np.zeros((1, 2), np.int64), np.ones((1, 2), np.int64), np.arange(2)[None], self.empty_past())
+        try:
+            # A past of one token, so the KV geometry is exercised (an empty one may be skipped).
+            first = self.forward(np.zeros((1, 1), np.int64), np.ones((1, 1), np.int64), np.zeros((1, 1), np.int64),
+                                 self.empty_past())
+            for (key, value), geometry in zip(first.presents, self.layers):
+                if key.shape[1] != geometry.num_kv_heads or key.shape[3] != geometry.head_dim:
+                    raise ModelLoadError(f"{self.onnx_path}: the graph returns KV of {key.shape[1]} heads x "
+                                         f"{key.shape[3]} dims, but {geometry} was declared")
+            out = self.forward(np.zeros((1, 2), np.int64), np.ones((1, 3), np.int64), np.arange(1, 3)[None],
+                               first.presents)
+        except _ORT_ERRORS as exc:
+            raise ModelLoadError(f"{self.onnx_path}: the first run failed ({exc}); if its KV sizes came from "
+                                 "genai_config.json, they may not match the graph") from exc
         if out.logits.shape[1] != 2:
             raise ModelLoadError(f"{self.onnx_path}: '{self.io.logits}' returned {out.logits.shape[1]} positions for 2 "
                                  "input tokens: logits are pruned to the last position, which cannot verify drafts")

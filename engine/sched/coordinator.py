@@ -359,7 +359,9 @@ class RoundCoordinator:
         if pairs:
             seconds = time.perf_counter() - started
             self.metrics.draft_call(mode, seconds)
-            if self.draft_lengths is not None:
+            # A call that hands a worker a whole context (a sequence's first round, or a
+            # resync) pays a draft model's prefill: not what a round's drafts cost.
+            if self.draft_lengths is not None and all(item.since > 0 for _, item in pairs):
                 drafts = [item.width - 1 for _, item in pairs]
                 self.draft_lengths.draft_costs.observe(mode, len(drafts), max(drafts), sum(drafts), seconds)
         return served_by, [(run, result) for (run, _), result in zip(pairs, results)]
