@@ -23,7 +23,8 @@ def test_cli_generates_and_reports_speed_and_finish_reason():
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("import os\n\n\ndef main(")
-    assert re.search(r"\[12 tokens, [\d.]+ tokens/s, finish_reason=length\]", run.stdout)
+    assert re.search(r"\[12 tokens, [\d.]+ tokens/s incl. prefill \(sessions warmed up at load\), finish_reason=length\]",
+                     run.stdout)
 
 
 def test_cli_rejects_bad_options_with_the_field_named():
