@@ -1,15 +1,18 @@
 """Distributed server (Ray Serve, real HTTP) vs. the in-process engine, on the bundled models.
 
-    .venv/bin/python bench/distributed.py [--mode eagle3] [--new-tokens 64] [--streams 1 4 16] [--lanes 2]
+    .venv/bin/python bench/distributed.py [--modes none eagle3] [--new-tokens 64] [--streams 1 4 16] [--lanes 2]
 
 For each concurrency it runs that many streaming requests at once (held-out prompts,
 greedy, EOS ignored) -- in-process through ``Engine.generate`` from threads (continuous
 batching), distributed through the OpenAI streaming API on 127.0.0.1 -- and prints
 aggregate tokens/s, mean time to first token and mean inter-token latency. Every
 distributed output is checked token-for-token against the in-process one. The round
-overhead is the extra wall time per round the distribution adds at one stream. The
-in-process numbers are measured first, before Ray starts, so the two never share the
-cores.
+overhead is the extra wall time per round the distribution adds at one stream, broken
+down from the router's tick timer and the workers' own timers (counter differences over
+the one-stream run): outside the tick (HTTP/SSE, the router's loop), each hop (router
+call minus the worker's time), the workers' object-store traffic and their model
+compute. The in-process numbers are measured first, before Ray starts, so the two
+never share the cores.
 """
 from __future__ import annotations
 
@@ -102,9 +105,55 @@ def server_runner(base_url: str, mode: str, new_tokens: int):
     return run
 
 
+def snapshot(base_url: str, mode: str) -> dict[str, float]:
+    """Cumulative timers: the router's ticks and the target's and ``mode``'s proposer's workers."""
+    from urllib.request import urlopen
+
+    from ray import serve
+
+    from engine.spec.proposers.registry import PROPOSER_KINDS
+
+    status = json.loads(urlopen(f"{base_url}/specserve/status").read())
+    target = serve.get_deployment_handle("TargetModel", "specserve").kv_usage.remote().result()
+    out = {"ticks": status["ticks"], "tick_s": status["mean_tick_ms"] * status["ticks"] / 1000,
+           "propose_s": status["mean_propose_ms"] * status["ticks"] / 1000,
+           "target_s": status["mean_target_ms"] * status["ticks"] / 1000,
+           "target_steps": target["steps"], "target_step_s": target["step_s"], "target_compute_s": target["compute_s"],
+           "proposer_calls": 0, "proposer_s": 0.0, "proposer_compute_s": 0.0}
+    kind = PROPOSER_KINDS.get(mode)
+    if kind is not None and not kind.in_coordinator:
+        stats = serve.get_deployment_handle(kind.deployment, "specserve").transport_stats.remote().result()
+        out.update(proposer_calls=stats["calls"], proposer_s=stats["propose_s"], proposer_compute_s=stats["compute_s"])
+    return out
+
+
+def breakdown(before: dict, after: dict, round_ms: float) -> str:
+    """Per-round milliseconds at one stream (one sequence per tick)."""
+    d = {k: after[k] - before[k] for k in after}
+    ticks = max(d["ticks"], 1)
+
+    def ms(seconds: float) -> float:
+        return 1000 * seconds / ticks
+
+    tick = ms(d["tick_s"])
+    parts = [f"round {round_ms:.1f} ms = outside the tick (HTTP/SSE, router loop) {round_ms - tick:.1f}",
+             f"router->target hop {ms(d['target_s'] - d['target_step_s']):.1f}",
+             f"target worker object store {ms(d['target_step_s'] - d['target_compute_s']):.1f}",
+             f"target compute {ms(d['target_compute_s']):.1f}"]
+    if d["proposer_calls"]:
+        parts += [f"router->proposer hop {ms(d['propose_s'] - d['proposer_s']):.1f}",
+                  f"proposer worker object store {ms(d['proposer_s'] - d['proposer_compute_s']):.1f}",
+                  f"proposer compute {ms(d['proposer_compute_s']):.1f}"]
+    else:
+        parts.append(f"in-router drafting {ms(d['propose_s']):.1f}")
+    other = tick - ms(d["propose_s"] + d["target_s"])
+    parts.append(f"router tick bookkeeping {other:.1f}")
+    return ", ".join(parts)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", default="eagle3")
+    parser.add_argument("--modes", nargs="+", default=["none", "eagle3"])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--requests-per-stream", type=int, default=2)
@@ -113,16 +162,18 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8311)
     args = parser.parse_args()
     prompts = [p["prompt"] for p in json.loads((ROOT / "tests/data/heldout_prompts.json").read_text())]
-    options = GenerationOptions(max_new_tokens=args.new_tokens, ignore_eos=True, speculative_mode=args.mode)
+    used = {prompts[i % len(prompts)] for i in range(max(args.streams) * args.requests_per_stream)}
 
     engine = Engine(ROOT / "models", EngineConfig(device="cpu"))
-    run_local = in_process_runner(engine, options)
-    run_local(prompts[0])  # warm-up
-    local = {n: measure(run_local, prompts, n, args.requests_per_stream) for n in args.streams}
-    expected = {p: run_local(p).token_ids for p in {prompts[i % len(prompts)]
-                                                   for i in range(max(args.streams) * args.requests_per_stream)}}
-    solo_tokens_per_s = statistics.mean(len(r.token_ids) / (r.stamps[-1] - r.started) for r in local[1].results) \
-        if 1 in local else None
+    local, expected, solo = {}, {}, {}
+    for mode in args.modes:
+        run_local = in_process_runner(engine, GenerationOptions(max_new_tokens=args.new_tokens, ignore_eos=True,
+                                                                speculative_mode=mode))
+        run_local(prompts[0])  # warm-up
+        local[mode] = {n: measure(run_local, prompts, n, args.requests_per_stream) for n in args.streams}
+        expected[mode] = {p: run_local(p).token_ids for p in used}
+        solo[mode] = statistics.mean(len(r.token_ids) / (r.stamps[-1] - r.started)
+                                     for r in local[mode][1].results) if 1 in args.streams else None
     engine.close()  # stop its loop thread before the server takes the cores
     del engine
 
@@ -133,39 +184,46 @@ def main() -> None:
     start_local_ray()
     serve_local({"model_dir": "models", "engine": {
         "device": "cpu", "intra_op_threads": args.target_threads, "scheduler": {"lanes": args.lanes},
-        "speculative": {"default_mode": args.mode}}}, port=args.port)
+        "speculative": {"default_mode": "auto"}}}, port=args.port)
     base = f"http://127.0.0.1:{args.port}"
-    run_remote = server_runner(base, args.mode, args.new_tokens)
-    for prompt in prompts[:4]:
-        run_remote(prompt)  # warm-up: first calls pay connection and replica start-up costs
-    remote = {n: measure(run_remote, prompts, n, args.requests_per_stream) for n in args.streams}
-    mismatches = sum(r.token_ids != expected[prompts[i % len(prompts)]]
-                     for level in remote.values() for i, r in enumerate(level.results))
-    status = json.loads(__import__("urllib.request").request.urlopen(f"{base}/specserve/status").read())
+    remote, breakdowns, mismatches = {}, {}, 0
+    for mode in args.modes:
+        run_remote = server_runner(base, mode, args.new_tokens)
+        for prompt in prompts[:4]:
+            run_remote(prompt)  # warm-up: first calls pay connection and replica start-up costs
+        remote[mode] = {}
+        for n in args.streams:
+            before = snapshot(base, mode) if n == 1 else None
+            remote[mode][n] = measure(run_remote, prompts, n, args.requests_per_stream)
+            if before is not None:
+                breakdowns[mode] = breakdown(before, snapshot(base, mode), remote[mode][1].ms_per_round)
+        mismatches += sum(r.token_ids != expected[mode][prompts[i % len(prompts)]]
+                          for level in remote[mode].values() for i, r in enumerate(level.results))
     serve.shutdown()
     ray.shutdown()
 
-    print(f"\nmode {args.mode}, {args.new_tokens} new tokens per request, {args.requests_per_stream} requests per "
-          f"stream, lanes {args.lanes}; every distributed output token-identical to in-process: "
+    print(f"\n{args.new_tokens} new tokens per request, {args.requests_per_stream} requests per stream, lanes "
+          f"{args.lanes}; every distributed output token-identical to in-process: "
           f"{'yes' if mismatches == 0 else f'NO ({mismatches} differ)'}\n")
-    print("| streams | in-process tok/s | distributed tok/s | ratio | in-process TTFT / ITL ms "
+    print("| mode | streams | in-process tok/s | distributed tok/s | ratio | in-process TTFT / ITL ms "
           "| distributed TTFT / ITL ms |")
-    print("|---|---|---|---|---|---|")
-    for n in args.streams:
-        a, b = local[n], remote[n]
-        print(f"| {n} | {a.tokens_per_s:.1f} | {b.tokens_per_s:.1f} | {b.tokens_per_s / a.tokens_per_s:.2f}x "
-              f"| {a.ttft_ms:.1f} / {a.itl_ms:.2f} | {b.ttft_ms:.1f} / {b.itl_ms:.2f} |")
-    if 1 in args.streams:
-        overhead = remote[1].ms_per_round - local[1].ms_per_round
-        print(f"\nround time at 1 stream: in-process {local[1].ms_per_round:.1f} ms, distributed "
-              f"{remote[1].ms_per_round:.1f} ms -> distribution adds {overhead:.1f} ms per round")
+    print("|---|---|---|---|---|---|---|")
+    for mode in args.modes:
+        for n in args.streams:
+            a, b = local[mode][n], remote[mode][n]
+            print(f"| {mode} | {n} | {a.tokens_per_s:.1f} | {b.tokens_per_s:.1f} | "
+                  f"{b.tokens_per_s / a.tokens_per_s:.2f}x | {a.ttft_ms:.1f} / {a.itl_ms:.2f} "
+                  f"| {b.ttft_ms:.1f} / {b.itl_ms:.2f} |")
+    for mode in args.modes:
+        if 1 not in args.streams:
+            break
+        overhead = remote[mode][1].ms_per_round - local[mode][1].ms_per_round
+        print(f"\n{mode}, one stream: in-process {local[mode][1].ms_per_round:.1f} ms per round, distributed "
+              f"{remote[mode][1].ms_per_round:.1f} ms -> distribution adds {overhead:.1f} ms per round")
+        print(f"  {breakdowns[mode]}")
         top = max(args.streams)
-        print(f"goal: distributed aggregate at {top} streams {remote[top].tokens_per_s:.1f} tok/s vs in-process "
-              f"single-stream {solo_tokens_per_s:.1f} tok/s -> "
-              f"{'met' if remote[top].tokens_per_s >= solo_tokens_per_s else 'not met'}")
-    print(f"router tick breakdown (all levels): mean tick {status['mean_tick_ms']:.1f} ms = propose "
-          f"{status['mean_propose_ms']:.1f} + target {status['mean_target_ms']:.1f}; "
-          f"{status['sequence_rounds'] / max(status['ticks'], 1):.1f} sequences per tick")
+        print(f"  distributed aggregate at {top} streams {remote[mode][top].tokens_per_s:.1f} tok/s vs in-process "
+              f"single-stream {solo[mode]:.1f} tok/s")
 
 
 if __name__ == "__main__":

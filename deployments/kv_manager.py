@@ -5,8 +5,10 @@ admission (block ledger + waiting for room) the in-process engine uses.
 It is a Serve deployment-scoped actor of the target deployment: the Serve controller
 creates it with the deployment, health-checks it, restarts it if it dies and removes
 it with the deployment. Target replicas register their pools with it (and, after a
-restart, their live grants); routers admit and release through it. It is never on a
-round's critical path: it is called once per request to admit and once to release.
+restart, their live grants) and the worker actor that serves each pool; routers admit
+and release through it and learn there which worker to call for a replica's sequences.
+It is never on a round's critical path: it is called once per request to admit and once
+to release (and once per new replica to find its worker).
 """
 from __future__ import annotations
 
@@ -22,10 +24,13 @@ log = logging.getLogger("specserve.kv_manager")
 class KVManager:
     def __init__(self, admission_timeout_s: float = 30.0) -> None:
         self.admission = Admission(admission_timeout_s)
+        self.workers: dict[str, object] = {}  # replica -> the worker actor holding its pool
 
     async def register_pool(self, replica: str, num_blocks: int, block_size: int,
-                            live: dict[Hashable, list[int]] | None = None) -> None:
+                            live: dict[Hashable, list[int]] | None = None, worker=None) -> None:
         await self.admission.register_pool(replica, num_blocks, block_size, live)
+        if worker is not None:
+            self.workers[replica] = worker
         log.info("target replica %s registered %d KV blocks of %d tokens (%d live sequences)", replica, num_blocks,
                  block_size, len(live or {}))
 
@@ -33,7 +38,12 @@ class KVManager:
         return self.admission.ledger.has_pool(replica)
 
     async def drop_pool(self, replica: str) -> list[Hashable]:
+        self.workers.pop(replica, None)
         return await self.admission.drop_pool(replica)
+
+    async def worker(self, replica: str):
+        """The worker actor of a replica's pool, or None if the replica is not registered."""
+        return self.workers.get(replica)
 
     async def admit(self, seq_id: Hashable, tokens: int, avoid: Sequence[str] = ()) -> Grant:
         """Reserve KV for a request, waiting up to the admission timeout for room."""

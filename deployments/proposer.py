@@ -1,98 +1,73 @@
 """A proposer deployment: one model-based proposer kind (draft model, MTP, EAGLE-3 or
-shared-KV) with its own replicas and resources (``engine.sched.proposer_worker``). The
-kind's model is loaded through the proposer registry, as the in-process engine loads it.
+shared-KV) with its own replicas and resources. Each replica is a thin shell around its
+worker actor (``workers.ProposerStepper``), where the kind's model runs, loaded through
+the proposer registry as the in-process engine loads it.
 
 Target hidden states and shared-KV slices arrive as ObjectRefs to the object the target
-replica put in the store -- the router passes the references on without touching the
-data. Sampled draft distributions go back the same way, as a reference."""
+worker put in the store -- the router passes the references on without touching the
+data. Sampled draft distributions go back the same way, as a reference.
+
+How the router reaches the worker: a sequence's first round goes through Serve (which
+picks a replica, power of two choices), and the reply names the replica's worker; later
+rounds call that worker directly -- unless the deployment autoscales, whose replica
+count Serve decides from the requests it sees: those keep every round on Serve's path.
+"""
 from __future__ import annotations
 
-import dataclasses
-import threading
-from collections import Counter
 from typing import Hashable, Sequence
 
 import ray
 from ray import serve
 
-from engine.config import EngineConfig
-from engine.model.bundle import Bundle
 from engine.sched.costs import DraftCostTable
-from engine.sched.proposer_worker import ProposeItem, ProposeResult, ProposerWorker
+from engine.sched.proposer_worker import ProposeItem, ProposeResult
 from engine.spec.proposers.registry import PROPOSER_KINDS
 
 from .affinity import TICK_WORKER_OPTIONS
-from .metrics import ServeWorkerMetrics
 from .settings import ServeSettings
+from .workers import ProposerStepper, calls_go_direct, spawn_worker, worker_bundles
 
 
 class ProposerModel:
     @classmethod
     def get_deployment_options(cls, settings: ServeSettings, mode: str) -> dict:
         """Serve options of ``mode``'s deployment (named by the registry); the builder
-        layers ``deployment_overrides`` on top. A quarter of a GPU: four proposer
-        replicas share one device."""
+        layers ``deployment_overrides`` on top. The worker gets the replica's compute; a
+        quarter of a GPU on CUDA: four proposer replicas share one device."""
         gpu = settings.engine.device == "cuda"
+        bundles = worker_bundles(0.25, 0.25 if gpu else 0.0)
         return {
             "name": PROPOSER_KINDS[mode].deployment,
             "max_ongoing_requests": 2 * settings.engine.scheduler.lanes,
-            "ray_actor_options": {"num_cpus": 0.25, **({"num_gpus": 0.25} if gpu else {})},
+            "ray_actor_options": {"num_cpus": bundles[0]["CPU"]},
+            "placement_group_bundles": bundles,
             **TICK_WORKER_OPTIONS,
         }
 
     def __init__(self, bundle_dir: str, mode: str, engine_config: dict) -> None:
         self.mode = mode
-        config = EngineConfig.model_validate(engine_config)
-        # One replica among several on the node: resolve "auto" spinning as a replica does.
-        config = config.model_copy(update={"thread_spinning": config.spinning(owns_cores=False)})
-        bundle = Bundle.load(bundle_dir)
-        vocab = bundle.manifest.models["target"].architecture.vocab_size
-        self.metrics = ServeWorkerMetrics()
-        self.worker = ProposerWorker(PROPOSER_KINDS[mode].load(bundle, config, vocab), self.metrics)
-        self.worker.probe()  # a first real run: checks the model and warms its session up
-        self.worker.draft_costs()  # timed now, for the router's adaptive speculation
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self._lock = threading.Lock()
-        self.transport = Counter()  # how target data arrived (by reference: the design) and what was served
+        self.direct = calls_go_direct()
+        self.worker = spawn_worker(ProposerStepper, bundle_dir, mode, engine_config)
+        ray.get(self.worker.probe.remote())  # waits for the model to load and warm up
+        self.serve_calls = 0  # propose calls that came through Serve rather than to the worker
 
-    def propose(self, items: Sequence[ProposeItem], releases: Sequence[Hashable],
-                replica_hint: str | None = None) -> tuple[str, list[ProposeResult]]:
-        items = self._resolve_anchors(list(items))
-        with self._lock:
-            self.worker.release(releases)
-            results = self.worker.propose(items)
-        self.transport["drafted_rounds"] += sum(1 for r in results if r.tokens)
-        probs = {r.seq_id: r.probs for r in results if r.probs is not None}
-        if probs:  # [k, V] per sequence: by reference, never through the router's memory
-            ref = ray.put(probs)
-            results = [dataclasses.replace(r, probs=ref) if r.probs is not None else r for r in results]
-        return self.replica_id, results
+    async def propose(self, items: Sequence[ProposeItem], releases: Sequence[Hashable],
+                      replica_hint: str | None = None) -> tuple[str, list[ProposeResult], object]:
+        """Draft through this replica's worker; the reply also carries the worker's handle
+        (None when rounds must stay on Serve's path) for the router's next rounds."""
+        self.serve_calls += 1
+        served_by, results = await self.worker.propose.remote(self.replica_id, items, releases)
+        return served_by, results, self.worker if self.direct else None
 
-    def _resolve_anchors(self, items: list[ProposeItem]) -> list[ProposeItem]:
-        refs = list({i.anchor for i in items if isinstance(i.anchor, ray.ObjectRef)})
-        self.transport["anchor_refs"] += sum(isinstance(i.anchor, ray.ObjectRef) for i in items)
-        self.transport["anchor_values"] += sum(i.anchor is not None and not isinstance(i.anchor, ray.ObjectRef)
-                                               for i in items)
-        bundles = dict(zip(refs, ray.get(refs))) if refs else {}
-        resolved = []
-        for item in items:
-            if isinstance(item.anchor, ray.ObjectRef):
-                anchor = bundles[item.anchor][item.seq_id]
-                self.transport["shared_kv_slices"] += len(anchor.shared_kv or ())
-                item = dataclasses.replace(item, anchor=anchor)
-            resolved.append(item)
-        return resolved
-
-    def draft_costs(self) -> DraftCostTable:
+    async def draft_costs(self) -> DraftCostTable:
         """This replica's measured draft costs (``engine.sched.costs``), measured at start-up."""
-        return self.worker.draft_costs()
+        return await self.worker.draft_costs.remote()
 
-    def transport_stats(self, replica_hint: str | None = None) -> dict:
+    async def transport_stats(self, replica_hint: str | None = None) -> dict:
         """This replica's counters (``replica_hint`` pins the call to one replica)."""
-        return {"replica": self.replica_id, "mode": self.mode, **self.transport,
-                "sequences": len(self.worker.sequences), "faults": dict(self.metrics.faults)}
+        return {"replica": self.replica_id, "serve_calls": self.serve_calls, **await self.worker.stats.remote()}
 
     def check_health(self) -> None:
-        """Probe the real proposer model (``ProposerWorker.probe``)."""
-        with self._lock:
-            self.worker.probe()
+        """Probe the real proposer model through the worker (``ProposerWorker.probe``)."""
+        ray.get(self.worker.probe.remote(), timeout=30)

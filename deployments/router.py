@@ -118,7 +118,11 @@ class Router:
 
     # -- start-up ------------------------------------------------------------------------
     async def _ensure_ready(self) -> None:
-        if self._ready is None or (self._ready.done() and self._ready.exception() is not None):
+        # A failed connect is retried by the next request, and so is a cancelled one: Serve
+        # cancels the handle calls a request made when its client disconnects, and the first
+        # request's client may give up while the replicas are still starting.
+        if self._ready is None or (self._ready.done() and (self._ready.cancelled()
+                                                           or self._ready.exception() is not None)):
             self._ready = asyncio.ensure_future(self._connect())
         await asyncio.shield(self._ready)
 
@@ -131,7 +135,8 @@ class Router:
         engine = self.settings.engine
         self.factory = DriverFactory(self.tokenizer, info["eos_token_ids"], info["max_context"], info["vocab_size"],
                                      engine, needs)
-        self.transport = ServeTransport(self.target, self.proposers, info["kv_manager"])
+        self.transport = ServeTransport(self.target, self.proposers, info["kv_manager"],
+                                        {info["replica"]: info["worker"]})
         self.coordinator = RoundCoordinator(self.transport, engine.scheduler, self.metrics)
         self._gauges = asyncio.ensure_future(self._report_kv())
         self.max_context = info["max_context"]

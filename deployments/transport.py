@@ -1,5 +1,9 @@
-"""The coordinator's transport over Ray Serve: one deployment-handle call per replica
-per tick, the KV manager by actor calls. Items are small; anchors and draft
+"""The coordinator's transport over Ray: one call per replica per tick, made straight to
+the replica's worker actor (``workers.py``) -- a plain actor call, ~1.5 ms here, where a
+Serve handle call costs 5-8 ms. Serve handles are used to discover workers (a
+sequence's first proposer round, ``describe``), for calls a deployment's autoscaler must
+see, and never per round for the target. The KV manager is called by actor calls, and
+says which worker holds a target replica's pool. Items are small; anchors and draft
 distributions inside them are ObjectRefs, which Ray passes along unresolved."""
 from __future__ import annotations
 
@@ -25,8 +29,11 @@ log = logging.getLogger("specserve.transport")
 class ServeTransport:
     concurrent = True  # calls to replicas overlap: several lanes hide one lane's proposing behind another's verify
 
-    def __init__(self, target: DeploymentHandle, proposers: dict[str, DeploymentHandle], kv_manager) -> None:
+    def __init__(self, target: DeploymentHandle, proposers: dict[str, DeploymentHandle], kv_manager,
+                 target_workers: dict[str, object] | None = None) -> None:
         self.target, self.proposers, self.kv_manager = target, proposers, kv_manager
+        self.target_workers: dict[str, object] = dict(target_workers or {})  # replica -> worker actor
+        self.proposer_workers: dict[tuple[str, str], object] = {}  # (mode, replica) -> worker actor
         # (mode, proposer replica) -> sequence-rounds it drafted for: which replicas really serve
         self.drafted_by: Counter[tuple[str, str]] = Counter()
 
@@ -50,6 +57,7 @@ class ServeTransport:
         await self.kv_call("release", seq_id)
 
     async def forget_target(self, replica: str) -> None:
+        self.target_workers.pop(replica, None)
         await self.kv_call("drop_pool", replica)
 
     async def verify_costs(self) -> VerifyCostTable:
@@ -61,21 +69,43 @@ class ServeTransport:
         """A proposer replica's measured draft costs (asked once per mode per router)."""
         return await self.proposers[mode].draft_costs.remote()
 
+    async def _target_worker(self, replica: str):
+        """The replica's worker, or None where its rounds go through Serve (asked once)."""
+        if replica not in self.target_workers:
+            self.target_workers[replica] = await self.kv_call("worker", replica)
+        return self.target_workers[replica]
+
     async def target_step(self, replica: str, prefills: list[PrefillItem], verifies: list[VerifyItem],
                           releases: list[Hashable]) -> list[TargetResult]:
+        worker = await self._target_worker(replica)
         try:
-            # If ours is gone, another replica gets the call (see affinity.py) and refuses it.
-            served_by, results = await self.target.step.remote(prefills, verifies, releases,
-                                                               **{REPLICA_HINT: replica})
+            if worker is not None:
+                served_by, results = await worker.step.remote(replica, prefills, verifies, releases)
+            else:  # if ours is gone, another replica gets the call (affinity.py) and refuses it
+                served_by, results = await self.target.step.remote(prefills, verifies, releases,
+                                                                   **{REPLICA_HINT: replica})
         except _GONE as exc:
+            self.target_workers.pop(replica, None)
             raise TargetUnavailableError(f"target replica {replica} is unavailable: {exc}") from exc
-        if served_by != replica:  # ours is gone; the replica that got the call refused it
+        if served_by != replica:
+            self.target_workers.pop(replica, None)
             raise TargetUnavailableError(f"target replica {replica} is gone (call reached {served_by})")
         return results
 
     async def propose(self, mode: str, replica: str | None, items: list[ProposeItem],
                       releases: list[Hashable]) -> tuple[str | None, list[ProposeResult]]:
-        served_by, results = await self.proposers[mode].propose.remote(items, releases, **{REPLICA_HINT: replica})
+        worker = self.proposer_workers.get((mode, replica)) if replica is not None else None
+        if worker is not None:
+            try:
+                served_by, results = await worker.propose.remote(replica, items, releases)
+            except _GONE:
+                self.proposer_workers.pop((mode, replica), None)
+                raise
+        else:
+            served_by, results, worker = await self.proposers[mode].propose.remote(items, releases,
+                                                                                   **{REPLICA_HINT: replica})
+            if worker is not None:
+                self.proposer_workers[(mode, served_by)] = worker
         drafted = sum(1 for r in results if r.tokens)
         if drafted:
             self.drafted_by[(mode, served_by)] += drafted

@@ -197,6 +197,20 @@ def test_hidden_states_and_shared_kv_slices_reach_proposers_as_object_refs(clien
     assert _handle("SharedKvProposer").transport_stats.remote().result()["shared_kv_slices"] > 0
 
 
+def test_rounds_call_the_workers_directly_not_through_serve(client, heldout_prompts):
+    """Serve handle calls cost several times a plain actor call: a sequence's first
+    proposer round goes through Serve (to pick a replica and learn its worker), every
+    later round straight to the worker; the target's rounds all go to its worker."""
+    before = _handle("MtpProposer").transport_stats.remote().result()
+    target_before = _handle("TargetModel").kv_usage.remote().result()["steps"]
+    result = _complete(client, heldout_prompts[4], "mtp", max_tokens=40)
+    after = _handle("MtpProposer").transport_stats.remote().result()
+    rounds = after["calls"] - before["calls"]
+    assert result.usage.completion_tokens > 8 and rounds >= 3
+    assert after["serve_calls"] - before["serve_calls"] <= 1 < rounds
+    assert _handle("TargetModel").kv_usage.remote().result()["steps"] - target_before >= rounds
+
+
 def test_a_client_that_disconnects_mid_stream_gets_its_kv_blocks_freed(server, heldout_prompts):
     body = {"model": "specserve", "prompt": heldout_prompts[6], "max_tokens": 400, "temperature": 0,
             "stream": True, "ignore_eos": True, "speculative_mode": "draft_model"}

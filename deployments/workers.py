@@ -1,0 +1,203 @@
+"""Worker actors: where a target or proposer replica's model really runs, called by the
+router once per tick with a plain Ray actor call.
+
+Why not the replica itself: a Serve ``DeploymentHandle`` call costs 5-8 ms here against
+~1.5 ms for a raw actor call (``../shared/docs/architecture.md``), and a round makes one
+per proposer and one per target, so Serve's request path cost more than the model work.
+Serve keeps what it is good at -- the replica's lifecycle, health checks, autoscaling,
+the HTTP ingress -- and the replica is a thin shell that owns its worker, as Ray Serve
+LLM's engine replicas own their workers:
+
+- the worker is created by the replica in the replica's own placement group (bundle 1
+  of ``placement_group_bundles``), so its CPUs/GPUs are the replica's and the scheduler
+  accounts for them;
+- it is owned by the replica, so it dies with it (Ray fate-shares an actor with its
+  owner), and a replica that Serve replaces brings a new worker;
+- the replica's health check probes the model through the worker.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Hashable, Sequence
+
+import ray
+from ray.util.placement_group import get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from engine.config import EngineConfig
+from engine.model.bundle import Bundle
+from engine.model.cached_decoder import CachedDecoder
+from engine.sched.costs import DraftCostTable, VerifyCostTable
+from engine.sched.proposer_worker import ProposeItem, ProposeResult, ProposerWorker
+from engine.sched.target_worker import PrefillItem, TargetResult, TargetWorker, VerifyItem
+from engine.spec.proposers.registry import PROPOSER_KINDS
+
+from .metrics import ServeWorkerMetrics
+
+WORKER_BUNDLE = 1  # bundle 0 of a tick deployment's placement group is the replica shell's
+
+
+def worker_bundles(cpus: float, gpus: float = 0.0) -> list[dict[str, float]]:
+    """``placement_group_bundles`` for a replica shell plus its worker: the shell needs
+    next to nothing; the worker gets the replica's compute."""
+    return [{"CPU": 0.01}, {"CPU": cpus, **({"GPU": gpus} if gpus else {})}]
+
+
+def calls_go_direct() -> bool:
+    """Whether the router may call this replica's worker directly every round. Not when
+    the deployment autoscales: Serve's autoscaler sizes it from the requests its handles
+    route, so those rounds stay on Serve's path (and pay for it)."""
+    from ray import serve
+
+    config = getattr(serve.get_replica_context(), "_deployment_config", None)
+    return config is None or config.autoscaling_config is None
+
+
+def spawn_worker(cls: type, *args, name: str | None = None):
+    """Start ``cls(*args)`` as an actor in the calling replica's placement group (the
+    worker bundle), or with no resources of its own when there is none (a replica
+    deployed without ``placement_group_bundles``: its own resources then cover it)."""
+    group = get_current_placement_group()
+    if group is not None and len(group.bundle_specs) > WORKER_BUNDLE:
+        bundle = group.bundle_specs[WORKER_BUNDLE]
+        options = {"num_cpus": bundle.get("CPU", 0), "num_gpus": bundle.get("GPU", 0),
+                   "scheduling_strategy": PlacementGroupSchedulingStrategy(group, WORKER_BUNDLE)}
+    else:
+        options = {"num_cpus": 0}
+    # One call at a time (a tick mutates the KV cache); no restarts: a dead worker means a
+    # dead replica, which Serve replaces, and the router re-prefills its sequences.
+    return ray.remote(cls).options(**options, max_restarts=0, max_concurrency=1, name=name).remote(*args)
+
+
+class TargetStepper:
+    """The target's ONNX session and the KV pages of the sequences on this replica."""
+
+    def __init__(self, target_dir: str, engine_config: dict) -> None:
+        config = EngineConfig.model_validate(engine_config)
+        # One process among several on the node: its threads must not spin on shared cores.
+        self.decoder = CachedDecoder(Path(target_dir), config, owns_cores=False)
+        self.worker = TargetWorker(self.decoder)
+        # Time verify passes before taking sequences (adaptive speculation plans with them;
+        # it also warms onnxruntime up, so the first request does not pay for it).
+        self.worker.verify_costs(config.scheduler.max_batch_size)
+        self.steps, self.step_s, self.compute_s = 0, 0.0, 0.0  # where the time goes
+
+    def describe(self) -> dict:
+        decoder = self.decoder.decoder
+        return {"eos_token_ids": list(self.decoder.eos_token_ids), "max_context": self.decoder.max_context,
+                "vocab_size": decoder.vocab_size, "extra_outputs": sorted(decoder.io.extra_outputs),
+                "providers": list(decoder.session.get_providers()), "num_blocks": self.decoder.cache.num_blocks,
+                "block_size": self.decoder.cache.block_size}
+
+    def verify_costs(self) -> VerifyCostTable:
+        return self.worker.verify_costs()
+
+    def live_grants(self) -> dict:
+        return self.worker.live_grants()
+
+    def probe(self) -> None:
+        self.worker.probe()
+
+    def step(self, replica: str, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem],
+             releases: Sequence[Hashable]) -> tuple[str, list[TargetResult]]:
+        """One tick for the sequences on this replica (``TargetWorker.step``). Per
+        sequence it returns O(k) data; the hidden-state anchors (and shared-KV slices) of
+        the whole call go into the object store as one object, returned by reference."""
+        started = time.perf_counter()
+        verifies = _resolve_probs(list(verifies))
+        computing = time.perf_counter()
+        results = self.worker.step(prefills, verifies, releases)
+        self.compute_s += time.perf_counter() - computing
+        anchors = {r.seq_id: r.outcome.anchor for r in results
+                   if r.outcome is not None and _carries_data(r.outcome.anchor)}
+        ref = ray.put(anchors) if anchors else None
+        results = [r if r.outcome is None else dataclasses.replace(
+            r, outcome=dataclasses.replace(r.outcome, anchor=ref if r.seq_id in anchors else None)) for r in results]
+        self.steps += 1
+        self.step_s += time.perf_counter() - started
+        return replica, results
+
+    def usage(self) -> dict:
+        cache = self.decoder.cache
+        return {"total_blocks": cache.num_blocks, "free_blocks": cache.free_blocks,
+                "sequences": len(self.worker.sequences), "steps": self.steps, "step_s": self.step_s,
+                "compute_s": self.compute_s}
+
+
+class ProposerStepper:
+    """One proposer kind's model and the drafting state of the sequences it serves."""
+
+    def __init__(self, bundle_dir: str, mode: str, engine_config: dict) -> None:
+        config = EngineConfig.model_validate(engine_config)
+        # One process among several on the node: resolve "auto" spinning as a replica does.
+        config = config.model_copy(update={"thread_spinning": config.spinning(owns_cores=False)})
+        bundle = Bundle.load(bundle_dir)
+        vocab = bundle.manifest.models["target"].architecture.vocab_size
+        self.mode = mode
+        self.metrics = ServeWorkerMetrics()
+        self.worker = ProposerWorker(PROPOSER_KINDS[mode].load(bundle, config, vocab), self.metrics)
+        self.worker.probe()  # a first real run: checks the model and warms its session up
+        self.worker.draft_costs()  # timed now, for the router's adaptive speculation
+        self.transport: Counter = Counter()  # how target data arrived (by reference: the design)
+        self.calls, self.propose_s, self.compute_s = 0, 0.0, 0.0  # where the time goes
+
+    def draft_costs(self) -> DraftCostTable:
+        return self.worker.draft_costs()
+
+    def probe(self) -> None:
+        self.worker.probe()
+
+    def propose(self, replica: str, items: Sequence[ProposeItem], releases: Sequence[Hashable]
+                ) -> tuple[str, list[ProposeResult]]:
+        started = time.perf_counter()
+        items = self._resolve_anchors(list(items))
+        self.worker.release(releases)
+        computing = time.perf_counter()
+        results = self.worker.propose(items)
+        self.compute_s += time.perf_counter() - computing
+        self.transport["drafted_rounds"] += sum(1 for r in results if r.tokens)
+        probs = {r.seq_id: r.probs for r in results if r.probs is not None}
+        if probs:  # [k, V] per sequence: by reference, never through the router's memory
+            ref = ray.put(probs)
+            results = [dataclasses.replace(r, probs=ref) if r.probs is not None else r for r in results]
+        self.calls += 1
+        self.propose_s += time.perf_counter() - started
+        return replica, results
+
+    def _resolve_anchors(self, items: list[ProposeItem]) -> list[ProposeItem]:
+        refs = list({i.anchor for i in items if isinstance(i.anchor, ray.ObjectRef)})
+        self.transport["anchor_refs"] += sum(isinstance(i.anchor, ray.ObjectRef) for i in items)
+        self.transport["anchor_values"] += sum(i.anchor is not None and not isinstance(i.anchor, ray.ObjectRef)
+                                               for i in items)
+        bundles = dict(zip(refs, ray.get(refs))) if refs else {}
+        resolved = []
+        for item in items:
+            if isinstance(item.anchor, ray.ObjectRef):
+                anchor = bundles[item.anchor][item.seq_id]
+                self.transport["shared_kv_slices"] += len(anchor.shared_kv or ())
+                item = dataclasses.replace(item, anchor=anchor)
+            resolved.append(item)
+        return resolved
+
+    def stats(self) -> dict:
+        return {"mode": self.mode, **self.transport, "sequences": len(self.worker.sequences),
+                "faults": dict(self.metrics.faults), "calls": self.calls, "propose_s": self.propose_s,
+                "compute_s": self.compute_s}
+
+
+def _carries_data(anchor) -> bool:
+    return anchor is not None and (anchor.final is not None or anchor.layers is not None
+                                   or anchor.shared_kv is not None)
+
+
+def _resolve_probs(verifies: list[VerifyItem]) -> list[VerifyItem]:
+    """Draft distributions come by reference from the proposer worker; fetch them here."""
+    refs = [v.probs for v in verifies if isinstance(v.probs, ray.ObjectRef)]
+    if not refs:
+        return verifies
+    values = dict(zip(refs, ray.get(refs)))
+    return [dataclasses.replace(v, probs=values[v.probs][v.seq_id]) if isinstance(v.probs, ray.ObjectRef) else v
+            for v in verifies]
