@@ -136,3 +136,42 @@ def test_served_graphs_are_what_the_fused_graph_builder_writes_from_the_checkpoi
     aux = entry.hidden_outputs.layer_indices or ()
     rebuilt = build_fused_decoder(tmp_path, tmp_path / "model.onnx", tuple(aux))
     assert parity(MODELS / entry.directory / entry.onnx, rebuilt) == 0.0
+
+
+def test_a_mobius_targets_outputs_get_the_bundles_names(manifest, tmp_path):
+    """mobius names the output of decoder layer k ``hidden_states.{k}`` (HF
+    ``hidden_states[k+1]``) and has no final-norm output; ``convert_mobius`` renames layer
+    j - 1's output to the bundle's ``aux_hidden.{j}`` (the stream entering layer j) and
+    exposes the LM head's input as ``hidden_states``. Emulated here on the bundle's own
+    graph given mobius's names (mobius itself needs torch, outside CI; the full
+    conversion was checked by hand: every mode token-identical to target-only)."""
+    import onnx
+
+    from modelbuild.convert_mobius import adopt_bundle_names
+    from modelbuild.fused_graph import parity
+
+    entry = manifest.models["target"]
+    aux = tuple(entry.hidden_outputs.layer_indices)
+    for name in (entry.config, entry.weights):
+        (tmp_path / name).write_bytes((MODELS / entry.directory / name).read_bytes())
+    model = onnx.load(str(MODELS / entry.directory / entry.onnx), load_external_data=False)
+    mobius_names = {f"aux_hidden.{j}": f"hidden_states.{j - 1}" for j in aux}
+    for node in model.graph.node:
+        node.output[:] = [mobius_names.get(o, o) for o in node.output]
+        node.input[:] = [mobius_names.get(i, i) for i in node.input]
+    final = next(n for n in model.graph.node if list(n.output) == ["hidden_states"])
+    model.graph.node.remove(final)
+    lm_head = next(n for n in model.graph.node if list(n.output) == ["logits"])
+    lm_head.input[0] = final.input[0]
+    outputs = [o for o in model.graph.output if o.name != "hidden_states"]
+    for value in outputs:
+        value.name = mobius_names.get(value.name, value.name)
+    del model.graph.output[:]
+    model.graph.output.extend(outputs)
+    onnx.save(model, str(tmp_path / "model.onnx"))
+    assert {o.name for o in model.graph.output} >= {f"hidden_states.{j - 1}" for j in aux}
+
+    adopt_bundle_names(tmp_path / "model.onnx", aux)
+    renamed = OnnxDecoder(tmp_path, "cpu")
+    assert set(renamed.io.extra_outputs) == {"hidden_states", *(f"aux_hidden.{j}" for j in aux)}
+    assert parity(MODELS / entry.directory / entry.onnx, tmp_path / "model.onnx") < 1e-5
