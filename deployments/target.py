@@ -64,6 +64,7 @@ class TargetModel:
         self.worker = spawn_worker(TargetStepper, target_dir, engine_config)
         self.info = ray.get(self.worker.describe.remote())  # waits for the model to load and warm up
         self.health_probes = 0
+        self.serve_steps = 0  # ticks that came through Serve rather than to the worker
         self.kv = None
         self._ensure_registered()
 
@@ -103,6 +104,7 @@ class TargetModel:
         untouched: its KV blocks were granted in the other replica's pool."""
         if replica_hint is not None and replica_hint != self.replica_id:
             return self.replica_id, []
+        self.serve_steps += 1
         return await self.worker.step.remote(self.replica_id, prefills, verifies, releases)
 
     async def verify_costs(self) -> VerifyCostTable:
@@ -111,7 +113,8 @@ class TargetModel:
         return await self.worker.verify_costs.remote()
 
     async def kv_usage(self) -> dict:
-        return {"replica": self.replica_id, **await self.worker.usage.remote(), "health_probes": self.health_probes}
+        return {"replica": self.replica_id, **await self.worker.usage.remote(), "health_probes": self.health_probes,
+                "serve_steps": self.serve_steps}
 
     def check_health(self) -> None:
         """Probe the real ONNX session through the worker (``TargetWorker.probe``), so a

@@ -25,7 +25,11 @@ NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server({"deployment_overrides": {"Eagle3Proposer": {"autoscaling_config": FAST_SCALING}}}) as url:
+    # The target "autoscales" between 1 and 1 replica: an autoscaled deployment's rounds go
+    # through Serve (its autoscaler counts them), so this module also covers that path.
+    with running_server({"deployment_overrides": {"Eagle3Proposer": {"autoscaling_config": FAST_SCALING},
+                                                  "TargetModel": {"autoscaling_config": {"min_replicas": 1,
+                                                                                         "max_replicas": 1}}}}) as url:
         yield url
 
 
@@ -96,6 +100,7 @@ def test_a_proposer_deployment_scales_up_under_load_and_back_down(server, bundle
     assert own["replica"] == second and own["drafted_rounds"] > 0, own
     assert _wait_for(lambda: _running_replicas("Eagle3Proposer") == 1, 60), "it never scaled back down"
     assert len(results) >= 12
+    assert serve.get_deployment_handle("TargetModel", "specserve").kv_usage.remote().result()["serve_steps"] > 0
     expected = {}
     for prompt, ids in results:
         if prompt not in expected:
