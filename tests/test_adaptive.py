@@ -103,6 +103,24 @@ def test_a_mode_that_stopped_drafting_tries_again_now_and_then():
     assert sum(plans[-1]) == 1  # one draft for one sequence refreshes the estimate
 
 
+def test_what_real_calls_cost_beyond_the_table_is_learnt_per_call_and_per_row():
+    """Real pasts are longer than the calibration's, so real calls cost more per row, not
+    only per call; a per-call-only correction would make padding a batch to a few drafts
+    look nearly free. Calls of one bucket with varied rows reveal both parts; calls that
+    never vary their rows are corrected per call only (nothing to tell the parts apart)."""
+    model = VerifyCostModel(CPU_LIKE)
+    rng = np.random.default_rng(0)
+    for _ in range(400):  # 32 sequences, 1..5 rows each: 1 ms per call + 0.1 ms per row extra
+        rows = 32 * int(rng.integers(1, 6))
+        model.observe(32, rows, CPU_LIKE.predict(32, rows) + 0.001 + 0.0001 * rows)
+    for rows in (32, 96, 160):
+        assert model.predict(32, rows) == pytest.approx(CPU_LIKE.predict(32, rows) + 0.001 + 0.0001 * rows, rel=0.02)
+    assert model.predict(1, 5) == CPU_LIKE.predict(1, 5)  # another bucket learnt nothing
+    for _ in range(50):  # one row count only: a per-call correction
+        model.observe(1, 5, CPU_LIKE.predict(1, 5) + 0.002)
+    assert model.predict(1, 1) == pytest.approx(CPU_LIKE.predict(1, 1) + 0.002)
+
+
 @pytest.fixture(scope="module")
 def adaptive_engine():
     config = CPU_CONFIG.model_copy(update={"speculative": CPU_CONFIG.speculative.model_copy(

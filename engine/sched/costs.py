@@ -103,26 +103,56 @@ def load_bucket(sequences: int) -> int:
     return max(1, sequences).bit_length()
 
 
+MIN_ROWS_VARIANCE = 4.0  # rows² of spread a bucket needs before a per-row correction is fitted
+
+
+@dataclass
+class _Residual:
+    """What real calls of one batch-size bucket cost beyond the table, as a line in the
+    call's rows, ``mean + slope * (rows - mean_rows)``: an exponentially weighted least
+    squares fit. A cost that grows with rows (attention over real pasts, longer than the
+    calibration's, padded to the longest) must not be charged as a constant per call, or
+    padding a batch to a few sequences' drafts looks nearly free."""
+
+    mean_rows: float = 0.0
+    mean: float = 0.0
+    var_rows: float = 0.0
+    cov: float = 0.0
+    seen: bool = False
+
+    def add(self, rows: float, residual: float, weight: float) -> None:
+        if not self.seen:
+            self.mean_rows, self.mean, self.seen = rows, residual, True
+            return
+        d_rows, d_res = rows - self.mean_rows, residual - self.mean
+        self.mean_rows += weight * d_rows
+        self.mean += weight * d_res
+        self.var_rows = (1 - weight) * (self.var_rows + weight * d_rows * d_rows)
+        self.cov = (1 - weight) * (self.cov + weight * d_rows * d_res)
+
+    def at(self, rows: float) -> float:
+        slope = max(0.0, self.cov / self.var_rows) if self.var_rows >= MIN_ROWS_VARIANCE else 0.0
+        return self.mean + slope * (rows - self.mean_rows)
+
+
 class VerifyCostModel:
     """The measured table plus what real calls add to it, learnt online per batch-size
-    bucket (an exponentially weighted residual): the transport's per-call overhead (hops,
-    serialisation), attention over a real request's past (longer than the calibration's),
-    the machine's current load."""
+    bucket as a per-call part and a per-row part (``_Residual``): the transport's per-call
+    overhead (hops, serialisation), attention over a real request's past (longer than the
+    calibration's), the machine's current load."""
 
     def __init__(self, table: VerifyCostTable, smoothing: float = 0.1) -> None:
         self.table, self.smoothing = table, smoothing
-        self.overhead: dict[int, float] = {}
+        self.residuals: dict[int, _Residual] = {}
 
     def predict(self, batch: int, rows: int) -> float:
-        return self.table.predict(batch, rows) + self.overhead.get(load_bucket(batch), 0.0)
+        residual = self.residuals.get(load_bucket(batch))
+        return self.table.predict(batch, rows) + (residual.at(rows) if residual is not None else 0.0)
 
     def observe(self, batch: int, rows: int, seconds: float) -> None:
         """One target call of ``batch`` verifies, padded to ``rows`` rows in all, took ``seconds``."""
-        bucket = load_bucket(batch)
-        residual = seconds - self.table.predict(batch, rows)
-        previous = self.overhead.get(bucket)
-        self.overhead[bucket] = residual if previous is None else \
-            (1 - self.smoothing) * previous + self.smoothing * residual
+        residual = self.residuals.setdefault(load_bucket(batch), _Residual())
+        residual.add(rows, seconds - self.table.predict(batch, rows), self.smoothing)
 
 
 @dataclass(frozen=True)
