@@ -56,7 +56,7 @@ def calls_go_direct() -> bool:
     return config is None or config.autoscaling_config is None
 
 
-def spawn_worker(cls: type, *args, name: str | None = None):
+def spawn_worker(cls: type, *args):
     """Start ``cls(*args)`` as an actor in the calling replica's placement group (the
     worker bundle), or with no resources of its own when there is none (a replica
     deployed without ``placement_group_bundles``: its own resources then cover it)."""
@@ -69,7 +69,7 @@ def spawn_worker(cls: type, *args, name: str | None = None):
         options = {"num_cpus": 0}
     # One call at a time (a tick mutates the KV cache); no restarts: a dead worker means a
     # dead replica, which Serve replaces, and the router re-prefills its sequences.
-    return ray.remote(cls).options(**options, max_restarts=0, max_concurrency=1, name=name).remote(*args)
+    return ray.remote(cls).options(**options, max_restarts=0, max_concurrency=1).remote(*args)
 
 
 class TargetStepper:
