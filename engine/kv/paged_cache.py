@@ -488,10 +488,13 @@ class PagedKVCache:
         if kept is not None and kept.dead >= _MAX_DEAD_SLOTS and kept.dead >= _MAX_DEAD_SHARE * kept.alive.size:
             kept = None
         if kept is None:
-            layers = self.materialize(seq_id)  # writes pending tokens out of the old copy first
-            kept = SessionPast([k for k, _ in layers], [v for _, v in layers], np.ones(s.length, np.bool_))
-            s.session = kept
+            kept = s.session = self.gathered_past(seq_id)  # writes pending tokens out of the old copy first
         return kept
+
+    def gathered_past(self, seq_id: Hashable) -> SessionPast:
+        """A fresh dense copy of the retained past (no dead slots), gathered from the pools."""
+        layers = self.materialize(seq_id)
+        return SessionPast([k for k, _ in layers], [v for _, v in layers], np.ones(self.length(seq_id), np.bool_))
 
     def slice(self, seq_id: Hashable, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """One layer's dense ``(key, value)``, each ``[1, kv_heads_l, length, head_dim_l]``."""

@@ -12,7 +12,7 @@ from typing import Hashable, Sequence
 import numpy as np
 
 from engine.errors import ModelLoadError
-from engine.kv.paged_cache import KVCacheCapacityError, PagedKVCache, SessionPast
+from engine.kv.paged_cache import KVCacheCapacityError, PagedKVCache
 from engine.model.onnx_model import OnnxDecoder
 from engine.config import EngineConfig
 from engine.model.probe import check_finite
@@ -87,7 +87,7 @@ class CachedDecoder:
         # derives positions from the mask (no position_ids) cannot skip dead slots, and a
         # sliding window evicts from the middle: those gather from the pools every call.
         session_layout = self.decoder.io.position_ids is not None and self.cache.sliding_window is None
-        pasts = [self.cache.session_past(r.seq_id) if session_layout else self._gathered_past(r.seq_id)
+        pasts = [self.cache.session_past(r.seq_id) if session_layout else self.cache.gathered_past(r.seq_id)
                  for r in requests]
         past_lens = [p.alive.size for p in pasts]
         new_lens = [len(r.tokens) for r in requests]
@@ -116,22 +116,16 @@ class CachedDecoder:
         out = self.decoder.forward(ids, mask, positions, past)
         outputs = []
         for i, r in enumerate(requests):
-            new = slice(longest_past, longest_past + new_lens[i])
             if session_layout:  # row i of the presents, whole (contiguous): padding slots are dead
                 self.cache.append_from_session(r.seq_id, [k[i : i + 1] for k, _ in out.presents],
                                                [v[i : i + 1] for _, v in out.presents], mask[i].astype(np.bool_))
             else:
+                new = slice(longest_past, longest_past + new_lens[i])
                 self.cache.append(r.seq_id, [k[i : i + 1, :, new] for k, _ in out.presents],
                                   [v[i : i + 1, :, new] for _, v in out.presents])
             outputs.append(SequenceOutput(out.logits[i, : new_lens[i]],
                                           {name: value[i, : new_lens[i]] for name, value in out.extras.items()}))
         return outputs
-
-    def _gathered_past(self, seq_id) -> SessionPast:
-        """A dense past with no dead slots, for graphs that need one (see ``feed_batch``)."""
-        layers = self.cache.materialize(seq_id)
-        return SessionPast([k for k, _ in layers], [v for _, v in layers],
-                           np.ones(self.cache.length(seq_id), np.bool_))
 
     def probe(self) -> None:
         """Run the real session on one token (no past) and check the logits are finite."""
