@@ -101,7 +101,7 @@ class SessionPast:
 
 # Re-gather from the pools once dead slots are this many and this share of the copy:
 # each dead slot costs attention compute on every later call.
-_MAX_DEAD_SLOTS, _MAX_DEAD_SHARE = 32, 0.25
+MAX_DEAD_SLOTS, MAX_DEAD_SHARE = 32, 0.25
 
 
 @dataclass(frozen=True)
@@ -479,17 +479,24 @@ class PagedKVCache:
         return [(self._gather(k, s, segs), self._gather(v, s, segs))
                 for k, v in zip(self._key_pools, self._value_pools)]
 
-    def session_past(self, seq_id: Hashable) -> SessionPast:
+    def session_past(self, seq_id: Hashable, compact: bool = True) -> SessionPast:
         """The sequence's past in the session's layout, possibly with dead slots: the copy
         kept from the last call, or a fresh gather from the pools (see module docstring).
-        Callers must not write into the returned tensors."""
+        ``compact=False`` keeps a copy however many slots are dead (a caller that copies the
+        live slots out anyway). Callers must not write into the returned tensors."""
         s = self._get(seq_id)
         kept = s.session
-        if kept is not None and kept.dead >= _MAX_DEAD_SLOTS and kept.dead >= _MAX_DEAD_SHARE * kept.alive.size:
+        if compact and kept is not None and kept.dead >= MAX_DEAD_SLOTS \
+                and kept.dead >= MAX_DEAD_SHARE * kept.alive.size:
             kept = None
         if kept is None:
             kept = s.session = self.gathered_past(seq_id)  # writes pending tokens out of the old copy first
         return kept
+
+    def kept_session(self, seq_id: Hashable) -> SessionPast | None:
+        """The session-layout copy the cache holds for the sequence now (no gather), or
+        None; callers compare it by identity to know whether a copy is still current."""
+        return self._get(seq_id).session
 
     def gathered_past(self, seq_id: Hashable) -> SessionPast:
         """A fresh dense copy of the retained past (no dead slots), gathered from the pools."""

@@ -12,6 +12,7 @@ from typing import Hashable, Sequence
 import numpy as np
 
 from engine.errors import ModelLoadError
+from engine.kv.batch_layout import BatchLayouts
 from engine.kv.paged_cache import KVCacheCapacityError, PagedKVCache
 from engine.model.onnx_model import OnnxDecoder
 from engine.config import EngineConfig
@@ -59,6 +60,7 @@ class CachedDecoder:
         self.cache = PagedKVCache(self.decoder.layers, self.config.kv_num_blocks, self.config.kv_block_size,
                                   dtype=self.decoder.kv_dtype, sliding_window=self.config.sliding_window,
                                   sink_tokens=self.config.sink_tokens)
+        self.batch_layouts = BatchLayouts(self.cache)
 
     def feed(self, seq_id, tokens: Sequence[int], first_position: int) -> SequenceOutput:
         """Run ``tokens`` after one sequence's cached past; see ``feed_batch``."""
@@ -83,10 +85,13 @@ class CachedDecoder:
             raise KVCacheCapacityError(f"sequences {[r.seq_id for r in requests]} need {needed} KV blocks, "
                                        f"{self.cache.free_blocks} free")
         # Pasts in the session's own layout: last call's presents, rejected slots dead
-        # (closed by the mask), so nothing is gathered or copied at batch 1. A graph that
-        # derives positions from the mask (no position_ids) cannot skip dead slots, and a
-        # sliding window evicts from the middle: those gather from the pools every call.
+        # (closed by the mask), so nothing is gathered or copied at batch 1, and at batch
+        # > 1 only what changed since the last batched call (``kv.batch_layout``). A graph
+        # that derives positions from the mask (no position_ids) cannot skip dead slots,
+        # and a sliding window evicts from the middle: those gather from the pools every call.
         session_layout = self.decoder.io.position_ids is not None and self.cache.sliding_window is None
+        if session_layout and len(requests) > 1:
+            return self._feed_batched(requests)
         pasts = [self.cache.session_past(r.seq_id) if session_layout else self.cache.gathered_past(r.seq_id)
                  for r in requests]
         past_lens = [p.alive.size for p in pasts]
@@ -126,6 +131,39 @@ class CachedDecoder:
             outputs.append(SequenceOutput(out.logits[i, : new_lens[i]],
                                           {name: value[i, : new_lens[i]] for name, value in out.extras.items()}))
         return outputs
+
+    def _feed_batched(self, requests: Sequence[FeedRequest]) -> list[SequenceOutput]:
+        """``feed_batch`` at batch > 1 in the session layout, on a kept ``BatchLayout``."""
+        seq_ids = [r.seq_id for r in requests]
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"a sequence may appear once per batch, got {seq_ids}")
+        new_lens = [len(r.tokens) for r in requests]
+        if min(new_lens) < 1:
+            raise ValueError("every sequence in a batch must feed at least one token")
+        arrangement = self.batch_layouts.arrange(seq_ids)
+        batch, length, most_new = arrangement.batch, arrangement.length, max(new_lens)
+        ids = np.zeros((batch, most_new), np.int64)
+        positions = np.zeros((batch, most_new), np.int64)
+        mask = np.zeros((batch, length + most_new), np.int64)
+        mask[:, length] = 1  # a dummy row attends to its own token: no row is wholly masked
+        for row, alive in enumerate(arrangement.alive):
+            if alive is not None:
+                mask[row, :length] = alive
+        for r, row, n in zip(requests, arrangement.row_of, new_lens):
+            ids[row, :n] = r.tokens
+            positions[row] = r.first_position + np.minimum(np.arange(most_new), n - 1)
+            mask[row, length : length + n] = 1
+        try:
+            out = self.decoder.forward(ids, mask, positions, list(zip(arrangement.keys, arrangement.values)))
+            for r, row in zip(requests, arrangement.row_of):
+                self.cache.append_from_session(r.seq_id, [k[row : row + 1] for k, _ in out.presents],
+                                               [v[row : row + 1] for _, v in out.presents], mask[row].astype(np.bool_))
+        except BaseException:
+            self.batch_layouts.forget(arrangement)
+            raise
+        self.batch_layouts.remember(arrangement, seq_ids, out.presents)
+        return [SequenceOutput(out.logits[row, :n], {name: value[row, :n] for name, value in out.extras.items()})
+                for row, n in zip(arrangement.row_of, new_lens)]
 
     def probe(self) -> None:
         """Run the real session on one token (no past) and check the logits are finite."""
