@@ -103,6 +103,21 @@ def test_a_mode_that_stopped_drafting_tries_again_now_and_then():
     assert sum(plans[-1]) == 1  # one draft for one sequence refreshes the estimate
 
 
+def test_a_mode_that_stopped_short_of_its_maximum_tries_one_position_deeper_now_and_then():
+    """Position j is only judged in rounds that draft past it. A mode whose plans stop at
+    one draft must now and then draft a second, or one unlucky early rejection at position
+    2 would keep it at one draft for good (it did: tau 1.8 against 3.4 at fixed k)."""
+    tracker = AcceptanceTracker()
+    tracker.record("s", "draft_model", 2, 1)  # position 1 accepted, position 2 rejected: once
+    slow_steps = DraftCostTable({(1, 1): 0.0003, (1, 4): 0.0060, (4, 1): 0.0012, (4, 4): 0.0240})
+    costs = DraftCostModel(BATCHED_MODES)
+    costs.add("draft_model", slow_steps)
+    loaded = DraftLengthController(VerifyCostModel(CPU_LIKE), costs, tracker)
+    plans = [loaded.plan([DraftRequest("s", "draft_model", 4, True)]) for _ in range(EXPLORE_EVERY)]
+    assert all(plan == [1] for plan in plans[:-1]), plans
+    assert plans[-1] == [2]
+
+
 def test_what_real_calls_cost_beyond_the_table_is_learnt_per_call_and_per_row():
     """Real pasts are longer than the calibration's, so real calls cost more per row, not
     only per call; a per-call-only correction would make padding a batch to a few drafts

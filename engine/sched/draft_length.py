@@ -26,9 +26,12 @@ from typing import Sequence
 from engine.sched.costs import DraftCostModel, VerifyCostModel
 
 PRIOR_ACCEPTANCE = 0.7   # a mode's acceptance before it has any rounds: optimistic, so it gets tried
+MODE_PRIOR_WEIGHT = 4.0  # rounds' worth of weight that prior keeps in a mode's average: one early
+                         # rejection must not sink a position the mode then never drafts again
 PRIOR_WEIGHT = 8.0       # rounds' worth of weight the mode average keeps in a sequence's estimate
 MODE_DECAY = 0.995       # per recorded round: a mode's average follows the current traffic
-EXPLORE_EVERY = 32       # plans in a row in which a mode drafted nothing before one sequence tries a draft
+EXPLORE_EVERY = 32       # plans in a row in which a mode drafted short of its maximum before one
+                         # sequence drafts one position deeper
 
 
 @dataclass
@@ -74,7 +77,8 @@ class AcceptanceTracker:
     def alphas(self, seq_id, mode: str, k_max: int) -> list[float]:
         mode_counts = self._modes.get(mode, _Counts())
         own = self._seqs.get(seq_id, _Counts())
-        return [own.rate(i, mode_counts.rate(i, PRIOR_ACCEPTANCE, 1.0), PRIOR_WEIGHT) for i in range(k_max)]
+        return [own.rate(i, mode_counts.rate(i, PRIOR_ACCEPTANCE, MODE_PRIOR_WEIGHT), PRIOR_WEIGHT)
+                for i in range(k_max)]
 
 
 @dataclass(frozen=True)
@@ -159,19 +163,22 @@ class DraftLengthController:
         return expected / seconds if seconds > 0 else float("inf")
 
     def _explore(self, requests: Sequence[DraftRequest], ks: list[int]) -> None:
-        """Acceptance is only measured while a mode drafts. A mode that has drafted
-        nothing for ``EXPLORE_EVERY`` plans gets one draft for one sequence, so its
-        estimate follows the traffic (and recovers from an unlucky start) instead of
+        """Acceptance of draft position j is only measured in rounds that draft past it. A
+        mode whose plans have stopped short of its maximum for ``EXPLORE_EVERY`` plans in a
+        row gets one sequence drafting one position deeper (from 0: one draft), so its
+        estimates follow the traffic (and recover from an unlucky start) instead of
         freezing at "not worth it"."""
         waiting: dict[str, list[int]] = {}  # mode -> its adaptive sequences that could draft
         for i, r in enumerate(requests):
             if r.adaptive and r.k_max > 0:
                 waiting.setdefault(r.mode, []).append(i)
         for mode, members in waiting.items():
-            if any(ks[i] > 0 for i in members):
-                self._idle_plans[mode] = 0
+            short = [i for i in members if ks[i] < requests[i].k_max]
+            if len(short) < len(members) and max(ks[i] for i in members) == max(requests[i].k_max for i in members):
+                self._idle_plans[mode] = 0  # some sequence drafts the deepest allowed: every position is judged
                 continue
             self._idle_plans[mode] = self._idle_plans.get(mode, 0) + 1
             if self._idle_plans[mode] >= EXPLORE_EVERY:
                 self._idle_plans[mode] = 0
-                ks[members[0]] = 1
+                deepest = max(short, key=lambda i: ks[i])
+                ks[deepest] += 1
