@@ -508,6 +508,15 @@ class PagedKVCache:
         s = self._get(seq_id)
         if not 0 <= layer < len(self.layers):
             raise IndexError(f"layer {layer} out of range: the cache has {len(self.layers)} layers")
+        if s.session is not None:
+            # The session copy holds every retained token (pending ones too): copying one
+            # layer's live slots out of it beats writing all layers' pending tokens to the
+            # pools and gathering blocks back (a shared-KV head reads this every round).
+            alive = s.session.alive
+            every = s.session.keys[layer].shape[2] == s.length and bool(alive.all())
+            live = slice(None) if every else np.flatnonzero(alive)
+            return (np.ascontiguousarray(s.session.keys[layer][:, :, live]),
+                    np.ascontiguousarray(s.session.values[layer][:, :, live]))
         self._flush(s)
         segs = self._segments(s)
         return self._gather(self._key_pools[layer], s, segs), self._gather(self._value_pools[layer], s, segs)
