@@ -59,7 +59,7 @@ def test_under_load_a_weak_proposer_stops_drafting_and_a_strong_head_keeps_draft
     assert loaded.plan(requests("prompt_lookup", 32)) == [0] * 32  # rows cost more than they earn: plain rounds
     assert min(loaded.plan(requests("eagle3", 32))) >= 3              # its drafts still pay for their rows
     # ... and the same weak proposer drafts again once the load is gone
-    assert loaded.plan(requests("prompt_lookup", 1)) == [1]
+    assert loaded.plan(requests("prompt_lookup", 1))[0] >= 1
 
 
 def test_speculation_shrinks_as_the_batch_grows():
@@ -185,3 +185,38 @@ def test_one_stream_drafts_near_the_maximum_with_every_model_proposer(adaptive_e
             fixed.append(adaptive_engine.generate(prompt, options.model_copy(
                 update={"adaptive_speculation": False})).speculative.mean_accepted_length)
         assert np.mean(adaptive) >= 0.85 * np.mean(fixed), (mode, adaptive, fixed)
+
+
+def test_a_catch_up_after_rounds_without_drafts_is_not_charged_as_drafting(adaptive_engine, heldout_prompts,
+                                                                          monkeypatch):
+    """After rounds at k = 0 a draft model's next call first feeds it every token those
+    rounds committed. Charged as the cost of drafting, that once kept draft_model at k = 0
+    at one stream for a whole request: no drafts, so no cheaper call ever corrected it."""
+    real_plan = DraftLengthController.plan
+    plans = []
+
+    def plan(self, requests):  # three real plans, ten plain rounds, then real plans again
+        plans.append(1)
+        return [0] * len(requests) if 3 < len(plans) <= 13 else real_plan(self, requests)
+
+    calls, observed = [], []
+    real_propose = adaptive_engine.transport.propose
+
+    async def propose(mode, replica, items, releases):
+        calls.append([len(item.new_tokens) for item in items if item.since > 0])
+        return await real_propose(mode, replica, items, releases)
+
+    real_observe = DraftCostModel.observe
+    monkeypatch.setattr(DraftLengthController, "plan", plan)
+    monkeypatch.setattr(adaptive_engine.transport, "propose", propose)
+    monkeypatch.setattr(DraftCostModel, "observe",
+                        lambda self, *args: observed.append(args) or real_observe(self, *args))
+    options = GenerationOptions(max_new_tokens=32, ignore_eos=True, speculative_mode="draft_model",
+                                num_speculative_tokens=4)
+    result = adaptive_engine.generate(heldout_prompts[5], options)
+    catch_ups = [c for c in calls if c and max(c) > options.num_speculative_tokens + 1]
+    rounds = [c for c in calls if c and max(c) <= options.num_speculative_tokens + 1]
+    assert catch_ups, calls  # the first drafting call after the plain rounds caught the model up
+    assert len(observed) == len(rounds) and rounds, (calls, observed)
+    assert result.token_ids == adaptive_engine.generate(heldout_prompts[5], options.model_copy(
+        update={"speculative_mode": "none"})).token_ids

@@ -360,8 +360,12 @@ class RoundCoordinator:
             seconds = time.perf_counter() - started
             self.metrics.draft_call(mode, seconds)
             # A call that hands a worker a whole context (a sequence's first round, or a
-            # resync) pays a draft model's prefill: not what a round's drafts cost.
-            if self.draft_lengths is not None and all(item.since > 0 for _, item in pairs):
+            # resync) pays a draft model's prefill, and one after rounds without drafts pays
+            # its catch-up on their tokens: neither is what a round's drafts cost. (Charged
+            # as drafting, a catch-up once kept draft_model at k = 0 at one stream: no
+            # drafts, so no cheaper call ever corrected it.)
+            if self.draft_lengths is not None and all(
+                    item.since > 0 and len(item.new_tokens) <= run.driver.num_drafts + 1 for run, item in pairs):
                 drafts = [item.width - 1 for _, item in pairs]
                 self.draft_lengths.draft_costs.observe(mode, len(drafts), max(drafts), sum(drafts), seconds)
         return served_by, [(run, result) for (run, _), result in zip(pairs, results)]

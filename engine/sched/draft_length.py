@@ -30,6 +30,8 @@ MODE_PRIOR_WEIGHT = 4.0  # rounds' worth of weight that prior keeps in a mode's 
                          # rejection must not sink a position the mode then never drafts again
 PRIOR_WEIGHT = 8.0       # rounds' worth of weight the mode average keeps in a sequence's estimate
 MODE_DECAY = 0.995       # per recorded round: a mode's average follows the current traffic
+MIXED_PLAN_MARGIN = 0.05  # a plan between "no drafts" and "every maximum" must be predicted this much
+                          # faster than the better of the two: the cost model is good to ~10 % here
 EXPLORE_EVERY = 32       # plans in a row in which a mode drafted short of its maximum before one
                          # sequence drafts one position deeper
 
@@ -115,10 +117,16 @@ class DraftLengthController:
             choices = product(*(range(top[m] + 1) for m in modes))
         else:  # coordinate-wise: each mode's cap in turn, the others at their maximum
             choices = [tuple(top[x] if x != m else k for x in modes) for m in modes for k in range(top[m] + 1)]
+        baselines = []  # (rate, ks) of the plans a user could pin: no drafts, every maximum
         for caps in choices:
             ks, rate = self._under_caps(requests, alphas, dict(zip(modes, caps)))
+            if all(c == 0 for c in caps) or all(c == top[m] for c, m in zip(caps, modes)):
+                baselines.append((rate, ks))
             if rate > best_rate * (1 + 1e-6):
                 best_rate, best_ks = rate, ks
+        baseline_rate, baseline_ks = max(baselines, key=lambda b: b[0], default=(0.0, best_ks))
+        if best_rate < baseline_rate * (1 + MIXED_PLAN_MARGIN):
+            best_ks = baseline_ks
         self._explore(requests, best_ks)
         return best_ks
 
