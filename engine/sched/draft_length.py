@@ -106,9 +106,11 @@ class DraftLengthController:
         Every mode gets a cap K (tried exhaustively for up to two adaptive modes in the
         call, coordinate-wise beyond); under a cap, each sequence drafts while its next
         draft's expected tokens pay for the draft-model step it costs at the
-        batch's rate. The caps whose plan commits the most tokens per second win. The
-        target call is costed padded: a batched verify runs every sequence to the longest
-        one's rows."""
+        batch's rate. The caps whose plan commits the most tokens per second win -- but a
+        plan between the two a user could pin (no drafts, every maximum) only when it is
+        predicted ``MIXED_PLAN_MARGIN`` faster than the better of them: where the model
+        cannot tell plans apart, doing what a pinned k does costs nothing. The target call
+        is costed padded: a batched verify runs every sequence to the longest one's rows."""
         alphas = [self.acceptance.alphas(r.seq_id, r.mode, r.k_max) for r in requests]
         modes = sorted({r.mode for r in requests if r.adaptive and r.k_max > 0})
         top = {m: max(r.k_max for r in requests if r.mode == m and r.adaptive) for m in modes}
