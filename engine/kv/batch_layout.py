@@ -106,7 +106,8 @@ class BatchLayouts:
         """Fit ``seq_ids`` into ``layout``, or None when a fresh build wastes less."""
         wanted = set(seq_ids)
         taken = {row for seq, row in current.items() if seq in wanted}
-        free = [row for row in range(len(layout.rows)) if row not in current.values()]
+        held = set(current.values())
+        free = [row for row in range(len(layout.rows)) if row not in held]
         newcomers = [seq for seq in seq_ids if seq not in current]
         if len(newcomers) > len(free):
             return None
@@ -170,9 +171,8 @@ class BatchLayouts:
 
 def _copy_live(past: SessionPast, keys: list[np.ndarray], values: list[np.ndarray], row: int) -> None:
     """Write ``past``'s live slots, in order, to the start of ``row`` of every layer."""
-    every = bool(past.alive.all())
-    live = None if every else np.flatnonzero(past.alive)
+    live = past.live()
+    n = int(np.count_nonzero(past.alive))
     for layer, (key, value) in enumerate(zip(past.keys, past.values)):
-        n = key.shape[2] if every else live.size
-        keys[layer][row, :, :n] = key[0] if every else key[0][:, live]
-        values[layer][row, :, :n] = value[0] if every else value[0][:, live]
+        keys[layer][row, :, :n] = key[0][:, live]
+        values[layer][row, :, :n] = value[0][:, live]

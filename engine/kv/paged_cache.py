@@ -98,6 +98,11 @@ class SessionPast:
     def dead(self) -> int:
         return int(self.alive.size - np.count_nonzero(self.alive))
 
+    def live(self) -> slice | np.ndarray:
+        """Index of the live slots along the slot axis, in order (a plain slice when no
+        slot is dead, so taking them is a view, not a gather)."""
+        return slice(None) if self.alive.all() else np.flatnonzero(self.alive)
+
 
 # Re-gather from the pools once dead slots are this many and this share of the copy:
 # each dead slot costs attention compute on every later call.
@@ -512,9 +517,7 @@ class PagedKVCache:
             # The session copy holds every retained token (pending ones too): copying one
             # layer's live slots out of it beats writing all layers' pending tokens to the
             # pools and gathering blocks back (a shared-KV head reads this every round).
-            alive = s.session.alive
-            every = s.session.keys[layer].shape[2] == s.length and bool(alive.all())
-            live = slice(None) if every else np.flatnonzero(alive)
+            live = s.session.live()
             return (np.ascontiguousarray(s.session.keys[layer][:, :, live]),
                     np.ascontiguousarray(s.session.values[layer][:, :, live]))
         self._flush(s)

@@ -80,6 +80,8 @@ class CachedDecoder:
             # GroupQueryAttention exports derive positions from the mask and accept
             # multi-token steps only at batch 1 (architecture.md): run them one by one.
             return [output for r in requests for output in self.feed_batch([r])]
+        if any(len(r.tokens) < 1 for r in requests):
+            raise ValueError("every sequence in a batch must feed at least one token")
         needed = sum(self.cache.blocks_needed(r.seq_id, len(r.tokens)) for r in requests)
         if needed > self.cache.free_blocks:
             raise KVCacheCapacityError(f"sequences {[r.seq_id for r in requests]} need {needed} KV blocks, "
@@ -96,8 +98,6 @@ class CachedDecoder:
                  for r in requests]
         past_lens = [p.alive.size for p in pasts]
         new_lens = [len(r.tokens) for r in requests]
-        if min(new_lens) < 1:
-            raise ValueError("every sequence in a batch must feed at least one token")
         batch, longest_past, most_new = len(requests), max(past_lens), max(new_lens)
         ids = np.zeros((batch, most_new), np.int64)
         positions = np.zeros((batch, most_new), np.int64)
@@ -138,8 +138,6 @@ class CachedDecoder:
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"a sequence may appear once per batch, got {seq_ids}")
         new_lens = [len(r.tokens) for r in requests]
-        if min(new_lens) < 1:
-            raise ValueError("every sequence in a batch must feed at least one token")
         arrangement = self.batch_layouts.arrange(seq_ids)
         batch, length, most_new = arrangement.batch, arrangement.length, max(new_lens)
         ids = np.zeros((batch, most_new), np.int64)
