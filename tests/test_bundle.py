@@ -147,7 +147,7 @@ def test_a_mobius_targets_outputs_get_the_bundles_names(manifest, tmp_path):
     conversion was checked by hand: every mode token-identical to target-only)."""
     import onnx
 
-    from modelbuild.convert_mobius import adopt_bundle_names
+    from modelbuild.convert.target import adopt_output_names
     from modelbuild.fused_graph import parity
 
     entry = manifest.models["target"]
@@ -171,7 +171,7 @@ def test_a_mobius_targets_outputs_get_the_bundles_names(manifest, tmp_path):
     onnx.save(model, str(tmp_path / "model.onnx"))
     assert {o.name for o in model.graph.output} >= {f"hidden_states.{j - 1}" for j in aux}
 
-    adopt_bundle_names(tmp_path / "model.onnx", aux)
+    adopt_output_names(tmp_path / "model.onnx", aux)
     renamed = OnnxDecoder(tmp_path, "cpu")
     assert set(renamed.io.extra_outputs) == {"hidden_states", *(f"aux_hidden.{j}" for j in aux)}
     assert parity(MODELS / entry.directory / entry.onnx, tmp_path / "model.onnx") < 1e-5

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MANIFEST_NAME = "manifest.json"
 
@@ -53,22 +53,43 @@ class TrainingRecord(_Strict):
     seconds: float
 
 
-class ModelEntry(_Strict):
+class ConversionRecord(_Strict):
+    """Where a converted model came from (``python -m modelbuild.convert``), in place of
+    a training record: the bundle's own models are trained here, a user's are converted."""
+
+    source: str = Field(description="the Hugging Face directory it was converted from")
+    source_format: str = Field(description="the checkpoint layout, e.g. llama, eagle3-safeailab, qwen3.5-mtp")
+    tool: str = Field(description="the exporter and its version")
+    notes: str = ""
+
+
+class _Provenance(_Strict):
+    training: TrainingRecord | None = None
+    converted: ConversionRecord | None = None
+
+    @model_validator(mode="after")
+    def _one_origin(self):
+        if (self.training is None) == (self.converted is None):
+            raise ValueError("exactly one of 'training' and 'converted' says where the weights came from")
+        return self
+
+
+class ModelEntry(_Provenance):
     role: Literal["target", "draft"]
     directory: str
     onnx: str
-    weights: str = Field(description="float16 safetensors; the ONNX graph reads these bytes as external data")
+    weights: str = Field(description="the external-data file the ONNX graph reads its weights from")
     config: str
     tokenizer: str
     parameters: int
     architecture: Architecture
     hidden_outputs: HiddenOutputs
-    heldout_loss_nats: float
-    training: TrainingRecord
+    heldout_loss_nats: float | None = None
 
 
-class HeadEntry(_Strict):
-    """A proposer head trained against the target (see head-contracts.md for its I/O)."""
+class HeadEntry(_Provenance):
+    """A proposer head, trained against the target here or converted from a published
+    checkpoint (see head-contracts.md for its I/O)."""
 
     kind: Literal["mtp", "eagle3", "shared_kv"]
     directory: str
@@ -83,8 +104,8 @@ class HeadEntry(_Strict):
     d2t: str | None = Field(None, description="draft id i -> target id i + d2t[i] (reduced draft vocabulary)")
     uses_arrays: list[str] = Field(default_factory=list, description="target arrays the head needs outside its graph")
     heldout_top1_agreement: list[float] = Field(
+        default_factory=list,
         description="fraction of held-out positions where draft step i equals the target's greedy token")
-    training: TrainingRecord
 
 
 class ArrayEntry(_Strict):
@@ -112,7 +133,7 @@ class BundleManifest(_Strict):
     tokenizer: str
     eos_token: str
     eos_token_id: int
-    corpus: CorpusRecord
+    corpus: CorpusRecord | None = Field(None, description="what the bundle's own models were trained on")
     models: dict[str, ModelEntry]
     heads: dict[str, HeadEntry] = Field(default_factory=dict)
     arrays: dict[str, ArrayEntry]

@@ -15,11 +15,22 @@ class ProbeFailedError(EngineError):
     """A model produced non-finite outputs on its health probe."""
 
 
+def probe_dim(dim, input_name: str, axis: int) -> int:
+    """One step with no past: a past length is 0, every other symbolic dim 1 (a sum such
+    as ``past_seq_len + seq_len`` is 1). Exporters name dims differently; an unnamed dim
+    of a past input is its sequence axis only at axis 2 ([B, heads, P, dim])."""
+    if isinstance(dim, int):
+        return dim
+    if isinstance(dim, str) and dim:
+        return 1 if "+" in dim or "past" not in dim else 0
+    return 0 if "past" in input_name and axis == 2 else 1
+
+
 def probe_session(session, what: str) -> None:
-    """Feed zeros of each input's shape (symbolic dims: 1, past lengths: 0), run, check."""
+    """Feed zeros of each input's shape (see ``probe_dim``), run, check."""
     feed = {}
     for spec in session.get_inputs():
-        shape = [d if isinstance(d, int) else (0 if "past" in spec.name else 1) for d in spec.shape]
+        shape = [probe_dim(d, spec.name, axis) for axis, d in enumerate(spec.shape)]
         dtype = np.int64 if "int64" in spec.type else (np.float16 if "float16" in spec.type else np.float32)
         feed[spec.name] = np.zeros(shape, dtype)
     if "attention_mask" in feed:

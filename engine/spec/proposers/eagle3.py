@@ -1,14 +1,23 @@
 """EAGLE-3 head proposer, as the seed's ``Eagle3Proposer``: target low|mid|high hidden
 states fused, a recycled hidden state threaded step to step, a fresh state every pass
 (its own KV lives only within one ``propose_batch``, so nothing is kept between rounds),
-and an optional reduced draft vocabulary (``d2t``)."""
+and an optional reduced draft vocabulary (``d2t``).
+
+Two ways to feed the chain, named by the head's ``config.json`` (``hidden_chain``):
+- ``fused_every_step`` (the bundled head, trained that way): the fused target states
+  on every step, the target's last hidden state recycled on the first step;
+- ``fused_first_step`` (published EAGLE-3, as vLLM and SGLang run it; converted heads):
+  the graph adds ``fc(fused_hidden)`` and ``recycled_hidden``, so the first step feeds
+  the fused states with recycled = 0 and later steps feed the head's own ``next_hidden``
+  with fused = 0.
+"""
 from __future__ import annotations
 
 from typing import Sequence
 
 import numpy as np
 
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, ModelLoadError
 from engine.model.heads import HeadModel
 from engine.spec.proposers.base import Proposal, ProposerContext, StatelessProposer
 
@@ -16,8 +25,13 @@ from engine.spec.proposers.base import Proposal, ProposerContext, StatelessPropo
 class Eagle3Proposer(StatelessProposer):
     name = "eagle3"
 
+    CHAINS = ("fused_every_step", "fused_first_step")
+
     def __init__(self, head: HeadModel) -> None:
         self.head = head
+        self.chain = head.config.get("hidden_chain", "fused_every_step")
+        if self.chain not in self.CHAINS:
+            raise ModelLoadError(f"{head.directory}: hidden_chain '{self.chain}' is not one of {self.CHAINS}")
         geometry = head.past_geometry()
         self._empty = np.zeros((1, geometry.num_kv_heads, 0, geometry.head_dim), np.float32)
 
@@ -47,6 +61,9 @@ class Eagle3Proposer(StatelessProposer):
         batch, steps = len(contexts), max(c.max_drafts for c in contexts)
         fused_in = np.stack(fused).reshape(batch, 1, 3 * size)
         recycled_in = np.stack(recycled).reshape(batch, 1, size)
+        published = self.chain == "fused_first_step"
+        if published:
+            recycled_in = np.zeros_like(recycled_in)
         kv_len = np.array([[len(c.context_tokens) - 1] for c in contexts], np.int64)  # pending not in the KV yet
         past_key = past_value = np.repeat(self._empty, batch, axis=0)
         previous = [c.guaranteed_token for c in contexts]
@@ -58,6 +75,8 @@ class Eagle3Proposer(StatelessProposer):
                  "recycled_hidden": recycled_in, "attention_mask": np.ones((batch, step + 1), np.int64),
                  "position_ids": kv_len + step, "past_key_values.0.key": past_key,
                  "past_key_values.0.value": past_value})
+            if published and step == 0:
+                fused_in = np.zeros_like(fused_in)
             previous = [self.to_target_id(int(t)) for t in np.argmax(logits[:, -1], axis=-1)]
             for row, token in zip(drafted, previous):
                 row.append(token)

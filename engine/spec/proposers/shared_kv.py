@@ -2,7 +2,18 @@
 ``SharedKvProposer``: no KV cache of its own; it reads per-group slices of the target's
 paged KV (each from the one target layer bound to the group, with that layer's own
 head count and head dim), holds its position constant, and threads its
-``projected_state``. The first step is a bootstrap whose draft is discarded."""
+``projected_state``.
+
+Two ways to start the chain, named by the head's ``config.json`` (``draft_feed``):
+- ``bootstrap`` (the seed's, and the bundled assistant's): a first step on the last
+  token in the target KV paired with the target's hidden state there, at that token's
+  position; its draft is discarded, and the pending token follows with the assistant's
+  own state;
+- ``hf_assisted`` (transformers' assisted generation, which published Gemma-4
+  assistants are trained for; converted heads): the first step pairs the pending token
+  with the target's hidden state that predicted it, at the pending token's position, and
+  its draft is kept.
+"""
 from __future__ import annotations
 
 from typing import Sequence
@@ -30,8 +41,13 @@ def shared_kv_slices(cache: PagedKVCache, seq_id, groups: dict[str, int]) -> tup
 class SharedKvProposer(StatelessProposer):
     name = "shared_kv"
 
+    FEEDS = ("bootstrap", "hf_assisted")
+
     def __init__(self, head: HeadModel) -> None:
         self.head = head
+        self.feed = head.config.get("draft_feed", "bootstrap")
+        if self.feed not in self.FEEDS:
+            raise ModelLoadError(f"{head.directory}: draft_feed '{self.feed}' is not one of {self.FEEDS}")
         self.groups: dict[str, int] = dict(head.config.get("shared_kv_groups", {}))
         inputs = {i.name for i in head.session.get_inputs()}
         missing = [f"shared_kv.{g}.{p}" for g in self.groups for p in ("key", "value")
@@ -74,16 +90,19 @@ class SharedKvProposer(StatelessProposer):
                     data = getattr(context.shared_kv[slot], part)
                     padded[row, :, : data.shape[2]] = data[0]
                 feed[f"shared_kv.{item.group}.{part}"] = padded
-        # Constant across draft steps: the absolute position of the last token in the target KV.
-        feed["position_ids"] = np.array([[len(c.context_tokens) - 2] for c in contexts], np.int64)
+        bootstrap = self.feed == "bootstrap"
+        # Constant across draft steps: the position of the last token in the target KV
+        # (bootstrap), or of the pending token after it (hf_assisted).
+        back = 2 if bootstrap else 1
+        feed["position_ids"] = np.array([[len(c.context_tokens) - back] for c in contexts], np.int64)
         hidden = np.stack([np.asarray(c.target_hidden, np.float32).ravel() for c in contexts]).reshape(batch, 1, size)
-        last = [int(c.context_tokens[-2]) for c in contexts]  # the last token in the target KV
+        last = [int(c.context_tokens[-back]) for c in contexts]
         drafted: list[list[int]] = [[] for _ in contexts]
-        for step in range(steps + 1):
+        for step in range(steps + bootstrap):
             embedding = self.head.embedder.embed(last).reshape(batch, 1, -1)
             feed["inputs_embeds"] = np.concatenate([embedding, hidden], axis=-1)
             logits, hidden = self.head.session.run(["logits", "projected_state"], feed)
-            if step == 0:
+            if bootstrap and step == 0:
                 last = [c.guaranteed_token for c in contexts]  # bootstrap: its own draft is discarded
             else:
                 last = [int(t) for t in np.argmax(logits[:, -1], axis=-1)]
