@@ -1,6 +1,6 @@
 """Converted Hugging Face checkpoints through the server: tiny random checkpoints in
-every published head layout (EAGLE-3 SafeAILab and speculators, Qwen3.5 MTP, Gemma-4
-assistant) are converted by ``python -m modelbuild.convert`` in the convert venv, served
+every published head layout (EAGLE-3 SafeAILab and speculators, Qwen3.5 dense and
+Qwen3-Next mixture-of-experts MTP, Gemma-4 assistant) are converted by ``python -m modelbuild.convert`` in the convert venv, served
 on a real local Ray Serve, and every mode's greedy tokens over HTTP must equal the
 in-process engine's target-only tokens on the same bundle.
 
@@ -23,7 +23,7 @@ from .conftest import ROOT, running_server
 CONVERT_PYTHON = ROOT / ".venv-convert/bin/python"
 MAX_TOKENS = 16
 CPU = EngineConfig(device="cpu", intra_op_threads=2, speculative=SpeculativeConfig(adaptive=False))
-LAYOUTS = {"full": ["eagle3", "mtp", "shared_kv", "prompt_lookup"], "speculators": ["eagle3"]}
+LAYOUTS = {"full": ["eagle3", "mtp", "shared_kv", "prompt_lookup"], "speculators": ["eagle3", "mtp"]}
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,9 @@ Then ``python -m engine generate --model BUNDLE --mode eagle3 ...`` or
   speculators (``Eagle3Speculator``) layout. Its aux layers are the config's
   ``eagle_aux_hidden_state_layer_ids`` if it names them, else ``--aux-layers``, else
   vLLM's default (2, N // 2, N - 3); all in vLLM's entering-layer indexing.
-- ``--mtp``: a dense Qwen3.5 / Qwen3.6 MTP head (``mtp.*`` keys; a Qwen3.5 checkpoint
-  carries them in its own safetensors, so this may be the target's directory). The
-  mixture-of-experts MTP layers of Qwen3-Next and Qwen3.5-MoE are refused: mobius builds
-  a dense MLP only.
+- ``--mtp``: a Qwen3.5 / Qwen3.6 / Qwen3-Next MTP head (``mtp.*`` keys), dense or
+  mixture-of-experts (experts stored one by one or packed); these checkpoints carry it
+  in their own safetensors, so this may be the target's directory.
   DeepSeek-V3 / GLM-4.5 MTP (``eh_proj``/``enorm``/``hnorm``) is not converted: mobius
   has no builder for it.
 - ``--assistant``: a Gemma-4 ``*-assistant`` checkpoint (``Gemma4AssistantForCausalLM``),
@@ -168,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", type=Path, required=True, help="Hugging Face directory of the target")
     parser.add_argument("--out", type=Path, required=True, help="new directory for the bundle")
     parser.add_argument("--eagle3", type=Path, help="EAGLE-3 head (SafeAILab or speculators layout)")
-    parser.add_argument("--mtp", type=Path, help="dense Qwen3.5 / Qwen3.6 MTP head (mtp.* keys)")
+    parser.add_argument("--mtp", type=Path, help="Qwen3.5 / Qwen3.6 / Qwen3-Next MTP head (mtp.* keys)")
     parser.add_argument("--assistant", type=Path, help="Gemma-4 assistant checkpoint (served as shared_kv)")
     parser.add_argument("--draft", type=Path, help="a small draft LM sharing the target's tokenizer")
     parser.add_argument("--aux-layers", type=_layers, help="EAGLE-3 aux layers j (stream entering layer j), "

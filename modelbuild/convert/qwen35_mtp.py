@@ -1,11 +1,14 @@
-"""Convert a published Qwen3.5 multi-token-prediction (MTP) head to specserve's MTP graph.
+"""Convert a published Qwen3.5 / Qwen3-Next multi-token-prediction (MTP) head to specserve's MTP graph.
 
-A Qwen3.5 / Qwen3.6 dense checkpoint (``Qwen/Qwen3.5-27B``, ``Qwen/Qwen3.6-27B``) ships a
-one-layer MTP head inside the target's own safetensors, under ``mtp.*``:
+A Qwen3.5 / Qwen3.6 checkpoint (``Qwen/Qwen3.5-27B``, ``Qwen/Qwen3.6-27B``, the MoE
+``Qwen/Qwen3.5-35B-A3B``, ``Qwen/Qwen3.6-35B-A3B``) and a Qwen3-Next one
+(``Qwen/Qwen3-Next-80B-A3B-Instruct``) ship a one-layer MTP head inside the target's own
+safetensors, under ``mtp.*``:
 
     h'         = fc(cat[pre_fc_norm_embedding(e), pre_fc_norm_hidden(h)])    # fc: 2H -> H
-    h''        = one full-attention Qwen3.5 decoder layer (gated Q, per-head q/k norm,
-                 partial rotary)
+    h''        = one full-attention decoder layer (gated Q, per-head q/k norm, partial
+                 rotary); its MLP is dense (Qwen3.5) or a sparse MoE with a
+                 sigmoid-gated shared expert (Qwen3.5-MoE, Qwen3-Next)
     mtp_hidden = norm(h'')
 
 ``e`` is the target's embedding of the token the head conditions on, ``h`` the target's
@@ -13,7 +16,22 @@ final normalised hidden state (then the head's own previous ``mtp_hidden``). It 
 embedding table and no LM head of its own: the engine's MTP proposer applies the
 target's on either side, which is exactly the I/O mobius's ``qwen35-mtp`` task builds
 (``mobius/tasks/_qwen35_mtp.py``). Transformers drops ``mtp.*`` on ``from_pretrained``,
-so the graph is built from the tensors directly, with mobius's ``Qwen35MtpModel``.
+so the graph is built from the tensors directly, with mobius's ``Qwen35MtpModel`` (whose
+one decoder layer is swapped for mobius's Qwen3.5-MoE or Qwen3-Next layer when the
+head is MoE).
+
+The MoE head's routed experts are published two ways, both read:
+
+- per expert, ``mtp.layers.0.mlp.experts.{i}.{gate,up,down}_proj.weight`` (Qwen3-Next,
+  Qwen3.5-MoE; vLLM's ``qwen3_next_mtp.py`` / ``qwen3_5_mtp.py`` and transformers'
+  ``qwen2_moe`` conversion mapping load this layout),
+- packed, ``mtp.layers.0.mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up
+  rows) and ``mtp.layers.0.mlp.experts.down_proj`` ``[E, H, I]``, no ``.weight`` suffix
+  (Qwen3.6-35B-A3B; the layout of transformers' ``Qwen3_5MoeExperts`` parameters).
+
+Router ``mtp.layers.0.mlp.gate.weight`` ``[E, H]``, shared expert
+``mtp.layers.0.mlp.shared_expert.{gate,up,down}_proj.weight`` and its gate
+``mtp.layers.0.mlp.shared_expert_gate.weight`` ``[1, H]``.
 
 Dev-only, in ``.venv-convert`` (mobius-onnx pulls torch); mobius, torch and onnx are
 imported inside :func:`build_qwen35_mtp` so this module imports without them.
@@ -36,11 +54,25 @@ CONTRACT_OUTPUTS = ("mtp_hidden", "present.0.key", "present.0.value")
 # mobius that renamed one would fail the check in build_qwen35_mtp until it is mapped here.
 _RENAMES: dict[str, str] = {}
 
-SOURCE_FORMAT = "qwen3.5-mtp"
+SOURCE_FORMAT = "qwen3.5-mtp"  # the dense head's; SOURCE_FORMATS has every family's
 _INDEX_NAME = "model.safetensors.index.json"
-# Tensors of a routed-expert MTP layer (Qwen3.5-MoE / Qwen3-Next): mobius's
-# Qwen35MtpModel has a dense MLP only, so such a head cannot be built with it.
+
+# config.json's model_type (the composite one, or a text-only checkpoint's) -> family.
+_FAMILIES = {
+    "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe",
+    "qwen3_next": "qwen3_next",
+}
+SOURCE_FORMATS = {"qwen3_5": SOURCE_FORMAT, "qwen3_5_moe": "qwen3.5-moe-mtp", "qwen3_next": "qwen3-next-mtp"}
+_MOE_FAMILIES = frozenset({"qwen3_5_moe", "qwen3_next"})
+
+_LAYER = "mtp.layers.0."
+# Tensors of a routed-expert MTP layer (either expert layout) and of a dense one (an
+# expert's or the shared expert's projections never match the dense markers).
 _MOE_MARKERS = (".mlp.experts.", ".mlp.gate.weight", ".mlp.shared_expert")
+_DENSE_MARKERS = (".mlp.gate_proj.", ".mlp.up_proj.", ".mlp.down_proj.")
+_PACKED_GATE_UP = _LAYER + "mlp.experts.gate_up_proj"
+_PACKED_DOWN = _LAYER + "mlp.experts.down_proj"
 
 
 def _mtp_weight_files(checkpoint_dir: Path) -> list[Path]:
@@ -78,24 +110,96 @@ def _load_mtp_tensors(checkpoint_dir: Path) -> dict:
     return tensors
 
 
-def _check_head_shape(checkpoint_dir: Path, hf_config, tensors: dict) -> None:
-    """Refuse heads that mobius's one-layer, dense ``Qwen35MtpModel`` would build wrongly."""
+def _family(checkpoint_dir: Path, hf_config) -> str:
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in _FAMILIES:
+        raise NotImplementedError(f"{checkpoint_dir}: model_type {model_type!r} is not a Qwen3.5 / Qwen3.5-MoE / "
+                                  f"Qwen3-Next checkpoint (one of {sorted(_FAMILIES)})")
+    return _FAMILIES[model_type]
+
+
+def _check_head_shape(checkpoint_dir: Path, hf_config, tensors: dict, family: str) -> None:
+    """Refuse heads mobius's one-layer ``Qwen35MtpModel`` (and its MoE variant) would build wrongly."""
     text = getattr(hf_config, "text_config", None) or hf_config
     layers = getattr(text, "mtp_num_hidden_layers", None)
+    if layers is None:
+        layers = getattr(text, "num_nextn_predict_layers", None)
     if layers is not None and layers != 1:
-        raise NotImplementedError(f"{checkpoint_dir}: mtp_num_hidden_layers is {layers}; only a one-layer MTP head "
-                                  "converts")
+        raise NotImplementedError(f"{checkpoint_dir}: the config asks for {layers} MTP layers; only a one-layer MTP "
+                                  "head converts")
     deeper = sorted({k.split(".")[2] for k in tensors if k.startswith("mtp.layers.") and k.split(".")[2] != "0"})
     if deeper:
         raise NotImplementedError(f"{checkpoint_dir}: MTP layers {deeper} beyond layer 0; only a one-layer MTP "
                                   "head converts")
-    moe = sorted(k for k in tensors if any(marker in k for marker in _MOE_MARKERS))
-    if moe:
-        raise NotImplementedError(f"{checkpoint_dir}: the MTP layer has routed experts (e.g. {moe[0]}); mobius's "
-                                  "Qwen35MtpModel builds a dense MLP only")
     if getattr(text, "mtp_use_dedicated_embeddings", False):
         raise NotImplementedError(f"{checkpoint_dir}: mtp_use_dedicated_embeddings is true; the head's graph "
                                   "borrows the target's embedding table")
+    moe = sorted(k for k in tensors if any(marker in k for marker in _MOE_MARKERS))
+    dense = sorted(k for k in tensors if any(marker in k for marker in _DENSE_MARKERS))
+    if family in _MOE_FAMILIES:
+        if dense or not moe:
+            raise ValueError(f"{checkpoint_dir}: a {getattr(hf_config, 'model_type', family)} config, but the MTP "
+                             f"layer's MLP is dense ({(dense or ['no mlp.gate.weight'])[0]}); mobius builds its MoE "
+                             "MTP layer only")
+    elif moe:
+        raise ValueError(f"{checkpoint_dir}: a dense {getattr(hf_config, 'model_type', family)} config, but the MTP "
+                         f"layer has routed experts (e.g. {moe[0]}); a MoE head needs its MoE config "
+                         f"(model_type {' or '.join(sorted(k for k, v in _FAMILIES.items() if v in _MOE_FAMILIES))})")
+
+
+def _unpack_experts(checkpoint_dir: Path, tensors: dict) -> dict:
+    """The packed expert tensors (Qwen3.6-35B-A3B), split into mobius's per-expert weights.
+
+    ``experts.gate_up_proj`` ``[E, 2I, H]`` holds each expert's gate rows then its up
+    rows (transformers' ``Qwen3_5MoeExperts`` chunks the product in two, gate first);
+    ``experts.down_proj`` ``[E, H, I]`` is each expert's down projection as stored by
+    ``nn.Linear``. The per-expert layout (Qwen3-Next, Qwen3.5-MoE) passes through."""
+    packed = {_PACKED_GATE_UP, _PACKED_DOWN} & set(tensors)
+    if not packed:
+        return tensors
+    if len(packed) != 2:
+        raise ValueError(f"{checkpoint_dir}: packed MTP experts need both {_PACKED_GATE_UP} and {_PACKED_DOWN}; "
+                         f"found only {sorted(packed)}")
+    per_expert = sorted(k for k in tensors if k.startswith(_LAYER + "mlp.experts.") and k not in packed)
+    if per_expert:
+        raise ValueError(f"{checkpoint_dir}: MTP experts both packed and per expert (e.g. {per_expert[0]})")
+    gate_up, down = tensors[_PACKED_GATE_UP], tensors[_PACKED_DOWN]
+    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0] or gate_up.shape[1] % 2 \
+            or gate_up.shape[1] // 2 != down.shape[2] or gate_up.shape[2] != down.shape[1]:
+        raise ValueError(f"{checkpoint_dir}: packed MTP experts of mismatched shapes: gate_up_proj "
+                         f"{tuple(gate_up.shape)}, down_proj {tuple(down.shape)} (want [E, 2I, H] and [E, H, I])")
+    half = gate_up.shape[1] // 2
+    out = {k: v for k, v in tensors.items() if k not in packed}
+    for i in range(gate_up.shape[0]):
+        prefix = f"{_LAYER}mlp.experts.{i}."
+        out[prefix + "gate_proj.weight"] = gate_up[i, :half].contiguous()
+        out[prefix + "up_proj.weight"] = gate_up[i, half:].contiguous()
+        out[prefix + "down_proj.weight"] = down[i].contiguous()
+    return out
+
+
+def _mtp_module(family: str, config):
+    """mobius's ``Qwen35MtpModel``, its one decoder layer the family's (MoE for MoE heads).
+
+    The dense head is mobius's model as is. For the MoE families the layer is mobius's own
+    full-attention MoE decoder layer: ``Qwen35MoEDecoderLayer`` (routing: softmax over the
+    top-k logits, i.e. top-k of the softmax renormalised, as Qwen3.5-MoE always does) or
+    ``Qwen3NextDecoderLayer`` (softmax over every expert, top-k, renormalised when
+    ``norm_topk_prob``), each with a sigmoid-gated shared expert; attention, norms and
+    weight names are the dense layer's."""
+    from onnxscript import nn
+    from mobius.models import Qwen35MtpModel
+
+    if family not in _MOE_FAMILIES:
+        return Qwen35MtpModel(config)
+    if family == "qwen3_next":
+        from mobius.models.qwen3_next import Qwen3NextDecoderLayer as layer_class
+    else:
+        from mobius.models.qwen35 import Qwen35MoEDecoderLayer as layer_class
+
+    module = Qwen35MtpModel(config)
+    module.layers = nn.ModuleList([layer_class(config, layer_idx=0)])
+    return module
 
 
 def _rename_io(model) -> None:
@@ -125,40 +229,48 @@ def _check_io(onnx_path: Path) -> None:
 
 
 def build_qwen35_mtp(checkpoint_dir: Path, out_dir: Path) -> dict:
-    """Build ``out_dir/model.onnx`` (+ ``model.onnx.data``) from a Hugging Face Qwen3.5 directory.
+    """Build ``out_dir/model.onnx`` (+ ``model.onnx.data``) from a Hugging Face Qwen3.5 / Qwen3-Next directory.
 
-    ``checkpoint_dir`` holds ``config.json`` (the composite ``qwen3_5`` config, decoder
-    fields under ``text_config``) and safetensors with the ``mtp.*`` tensors, usually
-    the target's own checkpoint; the main model's tensors are never read. The graph is
-    float32 and has the contract's I/O (:data:`CONTRACT_INPUTS`,
-    :data:`CONTRACT_OUTPUTS`). Returns the facts the head's config.json records."""
+    ``checkpoint_dir`` holds ``config.json`` (the composite ``qwen3_5`` / ``qwen3_5_moe``
+    config with the decoder fields under ``text_config``, or a flat ``qwen3_next`` one)
+    and safetensors with the ``mtp.*`` tensors, usually the target's own checkpoint; the
+    main model's tensors are never read. The graph is float32 and has the contract's I/O
+    (:data:`CONTRACT_INPUTS`, :data:`CONTRACT_OUTPUTS`) whatever the family. Returns the
+    facts the head's config.json records, ``source_format`` one of
+    :data:`SOURCE_FORMATS`."""
     import dataclasses
 
     import onnx_ir as ir
     import transformers
     from mobius import build_from_module
     from mobius._configs import Qwen35MtpConfig
-    from mobius.models import Qwen35MtpModel
 
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     if not (checkpoint_dir / "config.json").is_file():
         raise FileNotFoundError(f"{checkpoint_dir}/config.json is missing")
     hf_config = transformers.AutoConfig.from_pretrained(str(checkpoint_dir))
+    family = _family(checkpoint_dir, hf_config)
     tensors = _load_mtp_tensors(checkpoint_dir)
-    _check_head_shape(checkpoint_dir, hf_config, tensors)
     quantized = sorted(k for k, v in tensors.items() if not v.is_floating_point() or v.element_size() < 2)
     if quantized:  # FP8 (block scales), AWQ/GPTQ (packed ints): not dequantized here
         raise NotImplementedError(f"{checkpoint_dir}: quantized MTP tensors (e.g. {quantized[0]}, "
                                   f"{tensors[quantized[0]].dtype}); convert from the bf16/fp16/fp32 release")
+    scales = sorted(k for k in tensors if k.endswith(("_scale", "_scale_inv", ".scales", ".qzeros", ".g_idx")))
+    if scales:  # a quantized layout whose weights happened to be stored in a float type
+        raise NotImplementedError(f"{checkpoint_dir}: quantization tensors in the MTP head (e.g. {scales[0]}); "
+                                  "convert from the bf16/fp16/fp32 release")
+    _check_head_shape(checkpoint_dir, hf_config, tensors, family)
+    tensors = _unpack_experts(checkpoint_dir, tensors)
 
     # What mobius.build(task="qwen35-mtp") does, minus its weight loading, which reads
     # every shard of the target into memory: the MTP config is read from text_config
-    # (one full-attention layer whatever the main stack's pattern), float32.
+    # (or the flat Qwen3-Next config), one full-attention layer whatever the main
+    # stack's pattern, float32.
     config = dataclasses.replace(Qwen35MtpConfig.from_transformers(hf_config), dtype=ir.DataType.FLOAT)
-    module = Qwen35MtpModel(config)
+    module = _mtp_module(family, config)
     package = build_from_module(module, config, task="qwen35-mtp")
     model = package["model"]
-    model.graph.name = "qwen35-mtp"
+    model.graph.name = SOURCE_FORMATS[family]
 
     apply_every_weight(package, module.preprocess_weights(tensors), checkpoint_dir)  # mtp.fc.weight -> fc.weight
 
@@ -169,13 +281,14 @@ def build_qwen35_mtp(checkpoint_dir: Path, out_dir: Path) -> dict:
     _check_io(onnx_path)
 
     data = out_dir / "model.onnx.data"
-    return {
-        "source_format": SOURCE_FORMAT,
+    moe = family in _MOE_FAMILIES
+    facts = {
+        "source_format": SOURCE_FORMATS[family],
         "hidden_size": config.hidden_size,
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_key_value_heads,
         "head_dim": config.head_dim,
-        "intermediate_size": config.intermediate_size,
+        "intermediate_size": None if moe else config.intermediate_size,
         "vocab_size": config.vocab_size,
         "num_hidden_layers": 1,
         "rms_norm_eps": config.rms_norm_eps,
@@ -186,3 +299,10 @@ def build_qwen35_mtp(checkpoint_dir: Path, out_dir: Path) -> dict:
         "onnx": onnx_path.name,
         "external_data": data.name if data.is_file() else None,
     }
+    if moe:
+        facts.update(num_experts=config.num_local_experts, num_experts_per_tok=config.num_experts_per_tok,
+                     moe_intermediate_size=config.moe_intermediate_size,
+                     shared_expert_intermediate_size=config.shared_expert_intermediate_size,
+                     # Qwen3.5-MoE always renormalises the top-k; Qwen3-Next when norm_topk_prob.
+                     norm_topk_prob=bool(config.norm_topk_prob) if family == "qwen3_next" else True)
+    return facts

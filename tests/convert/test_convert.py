@@ -5,7 +5,6 @@ and against independent torch forwards of each head's published semantics.
 Runs in the convert venv (``bash scripts/test_convert.sh``)."""
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
@@ -23,7 +22,7 @@ from .build_tiny_bundles import SPECULATORS_AUX
 from .tiny_eagle3 import eagle3_reference_chain
 from .tiny_gemma4_assistant import gemma4_assistant_reference
 from .tiny_llama import TINY, transformers_forward, transformers_greedy
-from .tiny_qwen35_mtp import qwen35_mtp_reference
+from .tiny_qwen35_mtp import qwen3_next_mtp_reference, qwen35_mtp_reference
 
 PROMPT = [11, 402, 77, 1234, 9, 3000, 15, 15, 88, 402, 77]
 CPU = EngineConfig(device="cpu", intra_op_threads=1, speculative=SpeculativeConfig(adaptive=False))
@@ -116,17 +115,20 @@ def test_eagle3_drafts_equal_the_published_forward(tiny, which, layout):
     assert len(set(expected)) > 1 or expected[0] != PROMPT[-1]  # a real chain, not a constant
 
 
-def test_the_mtp_proposer_drafts_what_the_published_forward_predicts(tiny):
-    """Step 0 through the engine's MTP proposer equals the Qwen3.5 MTP reference read
-    through the target's LM head; step 1 feeds the head's own ``mtp_hidden`` back."""
-    head = _head(tiny.full, "mtp")
-    context = _context(tiny.full, PROMPT, width=3)
+@pytest.mark.parametrize("which,checkpoint", [("full", "qwen35_mtp"), ("speculators", "qwen3_next_mtp")])
+def test_the_mtp_proposer_drafts_what_the_published_forward_predicts(tiny, which, checkpoint):
+    """Step 0 through the engine's MTP proposer equals the published head's forward
+    (Qwen3.5 dense; Qwen3-Next with its routed experts) read through the target's LM
+    head; step 1 feeds the head's own ``mtp_hidden`` back."""
+    bundle = getattr(tiny, which)
+    head = _head(bundle, "mtp")
+    context = _context(bundle, PROMPT, width=3)
     drafted = MtpProposer(head).propose(context).tokens
-    embed = np.load(Bundle.load(tiny.full).target_dir / "embed_tokens.npy")
-    lm_head = np.load(Bundle.load(tiny.full).target_dir / "lm_head.npy")
-    position = np.array([[len(PROMPT) - 1]])
-    first = qwen35_mtp_reference(tiny.head("qwen35_mtp"), embed[[PROMPT[-1]]][None],
-                                 context.target_hidden[None, None], position)
+    embed = np.load(Bundle.load(bundle).target_dir / "embed_tokens.npy")
+    lm_head = np.load(Bundle.load(bundle).target_dir / "lm_head.npy")
+    reference = qwen35_mtp_reference if checkpoint == "qwen35_mtp" else qwen3_next_mtp_reference
+    first = reference(tiny.head(checkpoint), embed[[PROMPT[-1]]][None], context.target_hidden[None, None],
+                      np.array([[len(PROMPT) - 1]]))
     assert drafted[0] == int(np.argmax(first[0, -1] @ lm_head.T))
     assert len(drafted) == 2
 
@@ -155,7 +157,7 @@ def test_the_assistant_proposer_drafts_what_transformers_predicts(tiny):
 
 
 @pytest.mark.parametrize("which,modes", [("full", ["eagle3", "mtp", "shared_kv", "prompt_lookup"]),
-                                         ("speculators", ["eagle3"])])
+                                         ("speculators", ["eagle3", "mtp"])])
 def test_every_converted_mode_is_greedy_identical_to_target_only(tiny, which, modes):
     bundle = getattr(tiny, which)
     prompts = [PROMPT, PROMPT[3:] + PROMPT[:3], [5, 6, 7, 5, 6, 7, 5, 6]]
@@ -176,8 +178,8 @@ def test_the_manifest_records_where_each_model_came_from(tiny):
     assert manifest.models["target"].converted.source_format == "llama"
     formats = {kind: entry.converted.source_format for kind, entry in manifest.heads.items()}
     assert formats == {"eagle3": "eagle3-safeailab", "mtp": "qwen3.5-mtp", "shared_kv": "gemma4-assistant"}
-    assert json.loads((tiny.speculators / "heads/eagle3/config.json").read_text())["source_format"] == \
-        "eagle3-speculators"
+    formats = {kind: entry.converted.source_format for kind, entry in Bundle.load(tiny.speculators).manifest.heads.items()}
+    assert formats == {"eagle3": "eagle3-speculators", "mtp": "qwen3-next-mtp"}
     assert all(entry.training is None for entry in manifest.heads.values())
 
 

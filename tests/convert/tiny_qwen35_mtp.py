@@ -1,4 +1,5 @@
-"""A tiny random Qwen3.5 checkpoint with an MTP head, and an independent torch reference.
+"""Tiny random Qwen3.5 / Qwen3.5-MoE / Qwen3-Next checkpoints with an MTP head, and
+independent torch references (the MoE ones are at the end of the module).
 
 ``write_tiny_qwen35_mtp`` lays a checkpoint out the way a published Qwen3.5 model is
 laid out on the Hugging Face hub (``Qwen/Qwen3.5-27B``, ``Qwen/Qwen3.6-27B``), only
@@ -224,3 +225,308 @@ def qwen35_mtp_reference(checkpoint_dir: Path, inputs_embeds: np.ndarray, hidden
         x = fc(torch.cat([norm_e(e), norm_h(hid)], dim=-1))
         x = layer(x, position_embeddings=rotary(x, pos), attention_mask=mask, position_ids=pos)
         return norm_out(x).numpy()
+
+
+# ----------------------------------------------------------------------------------------
+# Mixture-of-experts MTP heads: Qwen3-Next and Qwen3.5-MoE / Qwen3.6-MoE
+# ----------------------------------------------------------------------------------------
+#
+# Qwen3-Next (``Qwen/Qwen3-Next-80B-A3B-Instruct``) keeps a flat ``model_type: qwen3_next``
+# config and its MTP layer's routed experts per expert; Qwen3.5-MoE
+# (``Qwen/Qwen3.5-35B-A3B``) is composite (``qwen3_5_moe``, decoder fields under
+# ``text_config``) with per-expert MTP experts, and Qwen3.6-35B-A3B, the same config,
+# packs them (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]), as
+# NVIDIA Megatron-Bridge's qwen35_vl_bridge.py tells the two apart. Both put a softmax
+# router ``mlp.gate.weight`` [E, H] and a sigmoid-gated shared expert next to them.
+
+def tiny_qwen3_next_config(*, hidden_size: int, vocab_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                           intermediate_size: int, num_experts: int, num_experts_per_tok: int,
+                           moe_intermediate_size: int, shared_expert_intermediate_size: int,
+                           max_position_embeddings: int) -> dict:
+    """Qwen3-Next-80B-A3B's config.json as published (transformers 4.57 wrote it: flat
+    ``rope_theta`` / ``partial_rotary_factor``, ``full_attention_interval``), tiny sizes,
+    plus the ``layer_types`` transformers 5 derives from the interval and writes back."""
+    layer_types = ["linear_attention" if (i + 1) % _FULL_ATTENTION_INTERVAL else "full_attention"
+                   for i in range(_MAIN_LAYERS)]
+    return {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": min(151643, vocab_size - 2),
+        "decoder_sparse_step": 1,
+        "eos_token_id": min(151645, vocab_size - 1),
+        "full_attention_interval": _FULL_ATTENTION_INTERVAL,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "hidden_size": hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": intermediate_size,
+        "layer_types": layer_types,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_value_head_dim": 16,
+        "max_position_embeddings": max_position_embeddings,
+        "mlp_only_layers": [],
+        "model_type": "qwen3_next",
+        "moe_intermediate_size": moe_intermediate_size,
+        "norm_topk_prob": True,
+        "num_attention_heads": num_heads,
+        "num_experts": num_experts,
+        "num_experts_per_tok": num_experts_per_tok,
+        "num_hidden_layers": _MAIN_LAYERS,
+        "num_key_value_heads": num_kv_heads,
+        "output_router_logits": False,
+        "partial_rotary_factor": 0.25,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 10000000,
+        "router_aux_loss_coef": 0.001,
+        "shared_expert_intermediate_size": shared_expert_intermediate_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.57.0.dev0",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": vocab_size,
+    }
+
+
+def tiny_qwen35_moe_config(*, hidden_size: int, vocab_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                           num_experts: int, num_experts_per_tok: int, moe_intermediate_size: int,
+                           shared_expert_intermediate_size: int, max_position_embeddings: int) -> dict:
+    """The composite ``qwen3_5_moe`` config.json of Qwen3.5-35B-A3B / Qwen3.6-35B-A3B, tiny
+    sizes: the dense one's, with the MoE fields in ``text_config`` instead of
+    ``intermediate_size`` (Qwen3.5-MoE has no ``norm_topk_prob``: it always renormalises)."""
+    config = tiny_qwen35_config(hidden_size=hidden_size, vocab_size=vocab_size, num_heads=num_heads,
+                                num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate_size=1,
+                                max_position_embeddings=max_position_embeddings)
+    text = config["text_config"]
+    del text["intermediate_size"]
+    text.update(model_type="qwen3_5_moe_text", moe_intermediate_size=moe_intermediate_size,
+                shared_expert_intermediate_size=shared_expert_intermediate_size, num_experts=num_experts,
+                num_experts_per_tok=num_experts_per_tok, output_router_logits=False, router_aux_loss_coef=0.001)
+    config["text_config"] = dict(sorted(text.items()))
+    config.update(architectures=["Qwen3_5MoeForConditionalGeneration"], model_type="qwen3_5_moe")
+    config["vision_config"]["model_type"] = "qwen3_5_moe"
+    return config
+
+
+def moe_mtp_tensor_shapes(*, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, num_experts: int,
+                          moe_intermediate_size: int, shared_expert_intermediate_size: int,
+                          packed_experts: bool = False) -> dict[str, tuple[int, ...]]:
+    """The published ``mtp.*`` tensors of a MoE MTP head, name -> shape: the dense head's
+    fc, norms and attention, with the dense MLP replaced by router, routed experts (per
+    expert, or packed) and the gated shared expert."""
+    shapes = {name: shape for name, shape in mtp_tensor_shapes(
+        hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        intermediate_size=1).items() if ".mlp." not in name}
+    h, i, s = hidden_size, moe_intermediate_size, shared_expert_intermediate_size
+    mlp = "mtp.layers.0.mlp."
+    shapes[mlp + "gate.weight"] = (num_experts, h)
+    if packed_experts:
+        shapes[mlp + "experts.gate_up_proj"] = (num_experts, 2 * i, h)
+        shapes[mlp + "experts.down_proj"] = (num_experts, h, i)
+    else:
+        for e in range(num_experts):
+            shapes[f"{mlp}experts.{e}.gate_proj.weight"] = (i, h)
+            shapes[f"{mlp}experts.{e}.up_proj.weight"] = (i, h)
+            shapes[f"{mlp}experts.{e}.down_proj.weight"] = (h, i)
+    shapes[mlp + "shared_expert.gate_proj.weight"] = (s, h)
+    shapes[mlp + "shared_expert.up_proj.weight"] = (s, h)
+    shapes[mlp + "shared_expert.down_proj.weight"] = (h, s)
+    shapes[mlp + "shared_expert_gate.weight"] = (1, h)
+    return shapes
+
+
+def _write_moe_checkpoint(out_dir: Path, config: dict, shapes: dict[str, tuple[int, ...]],
+                          main: dict[str, tuple[int, ...]], seed: int) -> Path:
+    """config.json + one bfloat16 model.safetensors: random ``mtp.*`` tensors of ``shapes``
+    and small main-model tensors of ``main`` that a converter must leave out.
+
+    Norms are random offsets around 0 (the ``1 + weight`` RMSNorm); projections and experts
+    ~N(0, 1/fan_in), so every expert and the shared expert move the output by O(1); the
+    router ~N(0, 4/H), so the normalised hidden state's router logits have a spread of
+    about 2 and the top-k differs from token to token (a routing mistake shows)."""
+    import torch
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generator = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            value = 0.2 * torch.randn(shape, generator=generator)
+        elif name.endswith("mlp.gate.weight"):
+            value = 2.0 * torch.randn(shape, generator=generator) / shape[-1] ** 0.5
+        else:
+            value = torch.randn(shape, generator=generator) / shape[-1] ** 0.5
+        tensors[name] = value.to(torch.bfloat16)
+    for name, shape in main.items():
+        tensors[name] = (0.02 * torch.randn(shape, generator=generator)).to(torch.bfloat16)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
+
+
+def write_tiny_qwen3_next_mtp(out_dir: Path, *, hidden_size: int = 64, vocab_size: int = 4096, num_heads: int = 4,
+                              num_kv_heads: int = 2, head_dim: int = 16, seed: int = 0, num_experts: int = 4,
+                              num_experts_per_tok: int = 2, moe_intermediate_size: int = 32,
+                              shared_expert_intermediate_size: int = 48, intermediate_size: int = 128,
+                              max_position_embeddings: int = 2048) -> Path:
+    """A tiny Qwen3-Next checkpoint laid out as ``Qwen/Qwen3-Next-80B-A3B-Instruct`` is:
+    flat ``qwen3_next`` config.json, one bfloat16 model.safetensors with the MTP head's
+    tensors under their published names (per-expert routed experts) beside a few main-model
+    tensors (``model.*``, ``lm_head``, a main layer's expert) the converter must ignore.
+    Returns ``out_dir``."""
+    config = tiny_qwen3_next_config(
+        hidden_size=hidden_size, vocab_size=vocab_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, intermediate_size=intermediate_size, num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=moe_intermediate_size,
+        shared_expert_intermediate_size=shared_expert_intermediate_size,
+        max_position_embeddings=max_position_embeddings)
+    shapes = moe_mtp_tensor_shapes(hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                   head_dim=head_dim, num_experts=num_experts,
+                                   moe_intermediate_size=moe_intermediate_size,
+                                   shared_expert_intermediate_size=shared_expert_intermediate_size)
+    main = {
+        "model.embed_tokens.weight": (vocab_size, hidden_size),
+        "lm_head.weight": (vocab_size, hidden_size),
+        "model.norm.weight": (hidden_size,),
+        "model.layers.3.mlp.gate.weight": (num_experts, hidden_size),
+        "model.layers.3.mlp.experts.0.gate_proj.weight": (moe_intermediate_size, hidden_size),
+    }
+    return _write_moe_checkpoint(out_dir, config, shapes, main, seed)
+
+
+def write_tiny_qwen35_moe_mtp(out_dir: Path, *, hidden_size: int = 64, vocab_size: int = 4096, num_heads: int = 4,
+                              num_kv_heads: int = 2, head_dim: int = 16, seed: int = 0, num_experts: int = 4,
+                              num_experts_per_tok: int = 2, moe_intermediate_size: int = 32,
+                              shared_expert_intermediate_size: int = 48, packed_experts: bool = False,
+                              max_position_embeddings: int = 2048) -> Path:
+    """A tiny Qwen3.5-MoE checkpoint: the composite ``qwen3_5_moe`` config.json and one
+    bfloat16 model.safetensors with the MTP head's published tensors, its routed experts
+    per expert (Qwen3.5-35B-A3B) or, with ``packed_experts``, packed (Qwen3.6-35B-A3B),
+    beside main-model tensors (``model.language_model.*`` with the main stack's packed
+    experts, ``lm_head``) the converter must ignore. Returns ``out_dir``."""
+    config = tiny_qwen35_moe_config(
+        hidden_size=hidden_size, vocab_size=vocab_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+        moe_intermediate_size=moe_intermediate_size, shared_expert_intermediate_size=shared_expert_intermediate_size,
+        max_position_embeddings=max_position_embeddings)
+    shapes = moe_mtp_tensor_shapes(hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                   head_dim=head_dim, num_experts=num_experts,
+                                   moe_intermediate_size=moe_intermediate_size,
+                                   shared_expert_intermediate_size=shared_expert_intermediate_size,
+                                   packed_experts=packed_experts)
+    main = {
+        "model.language_model.embed_tokens.weight": (vocab_size, hidden_size),
+        "lm_head.weight": (vocab_size, hidden_size),
+        "model.language_model.norm.weight": (hidden_size,),
+        "model.language_model.layers.3.mlp.gate.weight": (num_experts, hidden_size),
+        "model.language_model.layers.3.mlp.experts.gate_up_proj": (num_experts, 2 * moe_intermediate_size,
+                                                                   hidden_size),
+    }
+    return _write_moe_checkpoint(out_dir, config, shapes, main, seed)
+
+
+def _pack_experts(weights: dict, num_experts: int) -> dict:
+    """Per-expert ``layers.0.mlp.experts.{i}.*`` -> transformers' packed expert parameters,
+    the way its checkpoint conversion does it (``conversion_mapping.py``, ``qwen2_moe``:
+    stack each projection over experts, then concatenate gate and up along dim 1)."""
+    import torch
+
+    prefix = "layers.0.mlp.experts."
+    if f"{prefix}gate_up_proj" in weights:
+        return weights
+    out = {k: v for k, v in weights.items() if not k.startswith(prefix)}
+    gate, up, down = ([weights.pop(f"{prefix}{e}.{proj}.weight") for e in range(num_experts)]
+                      for proj in ("gate_proj", "up_proj", "down_proj"))
+    out[f"{prefix}gate_up_proj"] = torch.cat([torch.stack(gate), torch.stack(up)], dim=1)
+    out[f"{prefix}down_proj"] = torch.stack(down)
+    leftover = sorted(k for k in weights if k.startswith(prefix))
+    if leftover:
+        raise ValueError(f"experts beyond num_experts={num_experts}: {leftover[:4]}")
+    return out
+
+
+def _moe_mtp_reference(config, layer_class, norm_class, rotary_class, checkpoint_dir: Path, inputs_embeds,
+                       hidden_states, position_ids, routing: list | None) -> np.ndarray:
+    import torch
+    from safetensors import safe_open
+
+    config._attn_implementation = "eager"
+    config._experts_implementation = "eager"
+    weights = {}
+    with safe_open(str(Path(checkpoint_dir) / "model.safetensors"), framework="pt") as f:
+        for key in f.keys():
+            if key.startswith("mtp."):
+                weights[key[len("mtp."):]] = f.get_tensor(key).float()
+    weights = _pack_experts(weights, config.num_experts)
+
+    h, eps = config.hidden_size, config.rms_norm_eps
+    norm_e, norm_h, norm_out = (norm_class(h, eps=eps) for _ in range(3))
+    fc = torch.nn.Linear(2 * h, h, bias=False)
+    layer = layer_class(config, layer_idx=0)
+    parts = {"pre_fc_norm_embedding.": norm_e, "pre_fc_norm_hidden.": norm_h, "norm.": norm_out, "fc.": fc,
+             "layers.0.": layer}
+    for prefix, module in parts.items():
+        module.load_state_dict({k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}, strict=True)
+    claimed = {k for k in weights if any(k.startswith(p) for p in parts)}
+    if claimed != set(weights):
+        raise ValueError(f"unexpected mtp tensors: {sorted(set(weights) - claimed)}")
+    if routing is not None:  # the router returns (logits, top-k weights, top-k expert indices)
+        layer.mlp.gate.register_forward_hook(lambda _m, _i, out: routing.append(out[2].detach().clone().numpy()))
+    rotary = rotary_class(config)
+
+    e = torch.as_tensor(np.asarray(inputs_embeds, np.float32))
+    hid = torch.as_tensor(np.asarray(hidden_states, np.float32))
+    pos = torch.as_tensor(np.asarray(position_ids, np.int64))
+    batch, seq, _ = e.shape
+    mask = torch.full((seq, seq), torch.finfo(torch.float32).min).triu(1).expand(batch, 1, seq, seq)
+    with torch.no_grad():
+        x = fc(torch.cat([norm_e(e), norm_h(hid)], dim=-1))
+        x = layer(x, position_embeddings=rotary(x, pos), attention_mask=mask, position_ids=pos)
+        return norm_out(x).numpy()
+
+
+def qwen3_next_mtp_reference(checkpoint_dir: Path, inputs_embeds: np.ndarray, hidden_states: np.ndarray,
+                             position_ids: np.ndarray, routing: list | None = None) -> np.ndarray:
+    """``mtp_hidden`` of a Qwen3-Next MTP head for ``[B, S, H]`` inputs, causal over the S
+    positions, no past; float32.
+
+    transformers' own ``Qwen3NextDecoderLayer`` (full attention; its MLP the
+    ``Qwen3NextSparseMoeBlock`` the config's ``decoder_sparse_step`` / ``mlp_only_layers``
+    give layer 0), ``Qwen3NextRMSNorm`` and ``Qwen3NextRotaryEmbedding``, loaded strictly
+    with the checkpoint's ``mtp.*`` tensors (per-expert experts packed the way
+    transformers' loader packs them), eager attention and experts. ``routing``, if given,
+    receives the router's top-k expert indices ``[B*S, k]``."""
+    from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
+    from transformers.models.qwen3_next.modeling_qwen3_next import (Qwen3NextDecoderLayer, Qwen3NextRMSNorm,
+                                                                    Qwen3NextRotaryEmbedding)
+
+    raw = json.loads((Path(checkpoint_dir) / "config.json").read_text())
+    raw.update(num_hidden_layers=1, layer_types=["full_attention"])
+    raw.pop("full_attention_interval", None)
+    config = Qwen3NextConfig.from_dict(raw)
+    return _moe_mtp_reference(config, Qwen3NextDecoderLayer, Qwen3NextRMSNorm, Qwen3NextRotaryEmbedding,
+                              checkpoint_dir, inputs_embeds, hidden_states, position_ids, routing)
+
+
+def qwen35_moe_mtp_reference(checkpoint_dir: Path, inputs_embeds: np.ndarray, hidden_states: np.ndarray,
+                             position_ids: np.ndarray, routing: list | None = None) -> np.ndarray:
+    """As :func:`qwen3_next_mtp_reference`, for a Qwen3.5-MoE / Qwen3.6-MoE head: transformers'
+    ``Qwen3_5MoeDecoderLayer`` (full attention, ``Qwen3_5MoeSparseMoeBlock``),
+    ``Qwen3_5MoeRMSNorm`` and ``Qwen3_5MoeTextRotaryEmbedding`` from ``text_config``."""
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm,
+                                                                      Qwen3_5MoeTextRotaryEmbedding)
+
+    text = dict(json.loads((Path(checkpoint_dir) / "config.json").read_text())["text_config"])
+    text.update(num_hidden_layers=1, layer_types=["full_attention"])
+    text.pop("full_attention_interval", None)
+    config = Qwen3_5MoeTextConfig(**text)
+    return _moe_mtp_reference(config, Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm, Qwen3_5MoeTextRotaryEmbedding,
+                              checkpoint_dir, inputs_embeds, hidden_states, position_ids, routing)
