@@ -99,6 +99,7 @@ class DraftLengthController:
         self.verify_costs, self.draft_costs = verify_costs, draft_costs
         self.acceptance = acceptance or AcceptanceTracker()
         self._idle_plans: dict[str, int] = {}
+        self._follow_ups: dict[str, object] = {}  # mode -> the sequence it explored with last plan
 
     def plan(self, requests: Sequence[DraftRequest]) -> list[int]:
         """Drafts for each request of one target call, in order.
@@ -177,12 +178,22 @@ class DraftLengthController:
         mode whose plans have stopped short of its maximum for ``EXPLORE_EVERY`` plans in a
         row gets one sequence drafting one position deeper (from 0: one draft), so its
         estimates follow the traffic (and recover from an unlucky start) instead of
-        freezing at "not worth it"."""
+        freezing at "not worth it". A draft model explored from 0 drafts one more round
+        with the same sequence: the first call is a catch-up, not a measurement."""
         waiting: dict[str, list[int]] = {}  # mode -> its adaptive sequences that could draft
         for i, r in enumerate(requests):
             if r.adaptive and r.k_max > 0:
                 waiting.setdefault(r.mode, []).append(i)
         for mode, members in waiting.items():
+            explored = self._follow_ups.pop(mode, None)
+            again = next((i for i in members if requests[i].seq_id == explored), None)
+            if again is not None and ks[again] == 0 and mode not in self.draft_costs.batched:
+                # The exploring call after plain rounds first catches a draft model up on
+                # their tokens, which is never observed as what a draft costs; without a
+                # second drafting round its cost, overestimated once (a calibration on a
+                # loaded machine), would never be measured again.
+                ks[again] = 1
+                continue
             short = [i for i in members if ks[i] < requests[i].k_max]
             if len(short) < len(members) and max(ks[i] for i in members) == max(requests[i].k_max for i in members):
                 self._idle_plans[mode] = 0  # some sequence drafts the deepest allowed: every position is judged
@@ -191,4 +202,6 @@ class DraftLengthController:
             if self._idle_plans[mode] >= EXPLORE_EVERY:
                 self._idle_plans[mode] = 0
                 deepest = max(short, key=lambda i: ks[i])
+                if ks[deepest] == 0:
+                    self._follow_ups[mode] = requests[deepest].seq_id
                 ks[deepest] += 1
