@@ -86,12 +86,22 @@ def running_server(args: dict | None = None, env: dict[str, str] | None = None, 
 
     defaults = {"model_dir": "models",
                 "engine": {"device": "cpu", "speculative": {"default_mode": "eagle3", "adaptive": False}}}
-    port = free_port()  # picked when the server starts, never at import
     saved = {key: os.environ.get(key) for key in env or {}}
     os.environ.update(env or {})
     try:
         start_local_ray(**ray_options)
-        serve_local(merged(defaults, args or {}), port=port)
+        for attempt in range(3):
+            # Picked once Ray runs, never at import; still, between picking a free port and
+            # Serve's proxy binding it, one of Ray's own processes may take it (seen once in
+            # CI: "Failed to bind to address"). Then pick another.
+            port = free_port()
+            try:
+                serve_local(merged(defaults, args or {}), port=port)
+                break
+            except Exception as exc:  # noqa: BLE001 - Ray wraps the proxy's error
+                if "Failed to bind" not in str(exc) or attempt == 2:
+                    raise
+                serve.shutdown()
         yield f"http://127.0.0.1:{port}"
     finally:
         for key, value in saved.items():
