@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine import Engine, GenerationOptions
-from engine.sched.costs import DraftCostModel, DraftCostTable, VerifyCostModel, VerifyCostTable
+from engine.sched.costs import DraftCostModel, DraftCostTable, VerifyCostModel, VerifyCostTable, verify_groups
 from engine.sched.draft_length import EXPLORE_EVERY, AcceptanceTracker, DraftLengthController, DraftRequest
 from engine.spec.proposers.registry import BATCHED_MODES
 
@@ -84,6 +84,17 @@ def test_the_verify_pass_is_costed_padded_to_the_longest_sequence():
     found = lambda n: [DraftRequest(i, "prompt_lookup", 4 if i < n else 0, True) for i in range(32)]
     assert loaded.plan(found(2)) == [0] * 32
     assert loaded.plan(found(24))[:24] == [4] * 24
+
+
+def test_the_target_runs_a_few_drafting_sequences_apart_when_that_is_much_cheaper():
+    """One call pads every sequence to the widest; when one of 32 sequences drafts, the
+    target runs it apart in a small second call. Not when the split saves little (24 of
+    32 drafting) or when a second call's fixed cost dominates (batch 2)."""
+    assert verify_groups([5] + [1] * 31, CPU_LIKE) == [list(range(1, 32)), [0]]
+    assert verify_groups([5] * 24 + [1] * 8, CPU_LIKE) == [list(range(32))]
+    assert verify_groups([5, 1], CPU_LIKE) == [[0, 1]]
+    assert verify_groups([5] * 32, CPU_LIKE) == [list(range(32))]
+    assert verify_groups([5] + [1] * 31, None) == [list(range(32))]  # no table yet: one call
 
 
 def test_acceptance_is_conditional_on_reaching_a_position():
@@ -238,3 +249,26 @@ def test_a_catch_up_after_rounds_without_drafts_is_not_charged_as_drafting(adapt
     assert len(observed) == len(rounds) and rounds, (calls, observed)
     assert result.token_ids == adaptive_engine.generate(heldout_prompts[5], options.model_copy(
         update={"speculative_mode": "none"})).token_ids
+
+
+def test_the_target_runs_drafting_sequences_apart_when_the_table_says_so(adaptive_engine, heldout_prompts,
+                                                                        monkeypatch):
+    """Pinned prompt lookup at 16 streams: in a round some sequences found drafts and
+    others did not, and the measured table says two calls cost less than one padded to
+    five rows. Such rounds run as two calls, plain rows then drafting rows, and every
+    output is still target-only's."""
+    decoder = adaptive_engine.transport.target.target
+    real_feed, calls = decoder.feed_batch, []
+    monkeypatch.setattr(decoder, "feed_batch", lambda requests: calls.append([len(r.tokens) for r in requests])
+                        or real_feed(requests))
+    prompts = heldout_prompts[:16]
+    pinned = GenerationOptions(max_new_tokens=24, ignore_eos=True, speculative_mode="prompt_lookup",
+                               adaptive_speculation=False)
+    results = generate_concurrently(adaptive_engine, [(p, pinned) for p in prompts])
+    split_rounds = [i for i in range(len(calls) - 1)
+                    if len(calls[i]) > 1 and set(calls[i]) == {1} and min(calls[i + 1]) > 1]
+    assert split_rounds, calls
+    monkeypatch.undo()
+    for prompt, result in zip(prompts, results):
+        alone = adaptive_engine.generate(prompt, pinned.model_copy(update={"speculative_mode": "none"}))
+        assert result.token_ids == alone.token_ids

@@ -22,7 +22,7 @@ from typing import Any, Hashable, Sequence
 import numpy as np
 
 from engine.model.cached_decoder import CachedDecoder, FeedRequest
-from engine.sched.costs import VerifyCostTable, measure_verify_costs
+from engine.sched.costs import VerifyCostTable, measure_verify_costs, verify_groups
 from engine.errors import EngineError
 from engine.options import GenerationOptions
 from engine.spec.proposers.base import Needs
@@ -143,7 +143,7 @@ class TargetWorker:
         requests = [FeedRequest(i.seq_id, [self._seqs[i.seq_id].tokens[-1], *i.drafts],
                                 len(self._seqs[i.seq_id].tokens) - 1) for i in known]
         try:
-            outputs = self.target.feed_batch(requests) if requests else []
+            outputs = self._feed_grouped(requests)
         except Exception:  # noqa: BLE001 - isolate the sequence that broke the batch
             log.exception("batched verify of %d sequences failed; retrying one by one", len(requests))
             outputs = None
@@ -159,6 +159,15 @@ class TargetWorker:
                 self.release([item.seq_id])
                 results[item.seq_id] = TargetResult(item.seq_id, None, error=_describe(exc))
         return [results[i.seq_id] for i in items]
+
+    def _feed_grouped(self, requests: list[FeedRequest]) -> list:
+        """One padded call, or the sequences without drafts apart from those with them,
+        whichever the measured table predicts cheaper (``sched.costs.verify_groups``)."""
+        outputs: list = [None] * len(requests)
+        for group in verify_groups([len(r.tokens) for r in requests], self._costs) if requests else []:
+            for i, out in zip(group, self.target.feed_batch([requests[i] for i in group])):
+                outputs[i] = out
+        return outputs
 
     def _result(self, seq_id: Hashable, seq: _TargetSequence, outcome: RoundOutcome) -> TargetResult:
         """Attach the shared-KV slices the sequence's proposer reads (after the rewind)."""
