@@ -62,10 +62,10 @@ class VerifyCostTable:
         return (1 - w) * self._at(lower, per_seq * lower) + w * self._at(upper, per_seq * upper)
 
 
-SPLIT_MARGIN = 0.25  # a split must be predicted this much cheaper: it moves the drafting sequences'
-                     # pasts into a batch layout of their own and back, copies the table does not time
-                     # (unmargined, splitting a round with one sequence's exploring draft cost adaptive
-                     # rounds 1-6 % at 16 and 32 streams)
+SPLIT_MARGIN = 0.4  # a split must be predicted this much cheaper: it moves the drafting sequences'
+                    # pasts into a batch layout of their own and back, copies the table does not time
+                    # (at 0: splitting a round around one exploring draft cost adaptive rounds 1-6 %
+                    # at 16 and 32 streams; at 0.25 still ~5 % for shared_kv at 16)
 
 
 def verify_groups(widths: Sequence[int], table: VerifyCostTable | None) -> list[list[int]]:
@@ -76,8 +76,8 @@ def verify_groups(widths: Sequence[int], table: VerifyCostTable | None) -> list[
     At a large batch a CPU pass is compute-bound: one sequence's four drafts padded all
     32 sequences to five rows (measured 45 ms against 11 ms plain), so a few drafting
     sequences made a round dearer than plain decoding; run apart, they cost a small
-    call (pinned prompt lookup, whose drafts come and go per sequence: +14 % tokens/s at
-    16 streams, +21 % at 32). At a small batch the second call's fixed cost wins and one
+    call (pinned prompt lookup, whose drafts come and go per sequence: +9-14 % tokens/s
+    at 16 streams, +21-29 % at 32). At a small batch the second call's fixed cost wins and one
     padded call stays. The draft-length planner still costs a round padded: with the
     margin a split is only ever cheaper than that. Indices in ``widths`` order."""
     everyone = list(range(len(widths)))

@@ -133,13 +133,14 @@ def convert(args: argparse.Namespace) -> BundleManifest:
         # The feed published assistants are trained for (transformers' assisted generation).
         facts = {**build_gemma4_assistant(args.assistant, out / "heads/shared_kv"), "draft_feed": "hf_assisted"}
         _check_width("Gemma-4 assistant", facts["backbone_hidden_size"], hidden)
-        layer_types = target_config.get("layer_types") or target_config.get("text_config", {}).get("layer_types")
-        groups = bind_groups(layer_types, num_layers, list(facts["groups"]))
-        arch = target.architecture
+        text = target_config.get("text_config", target_config)
+        groups = bind_groups(text.get("layer_types"), num_layers, list(facts["groups"]),
+                             num_kv_shared_layers=text.get("num_kv_shared_layers") or 0)
         for group, geometry in facts["groups"].items():
-            if (geometry["num_kv_heads"], geometry["head_dim"]) != (arch.num_kv_heads, arch.head_dim):
+            layer = _kv_geometry(target.directory, groups[group])
+            if (geometry["num_kv_heads"], geometry["head_dim"]) != layer:
                 raise SystemExit(f"assistant group '{group}' reads {geometry} but target layer {groups[group]} has "
-                                 f"{arch.num_kv_heads} KV heads of dim {arch.head_dim}")
+                                 f"{layer[0]} KV heads of dim {layer[1]}")
         add_head("shared_kv", args.assistant, facts, {"inputs_embeds": [FINAL_HIDDEN]}, ["embed_tokens"], groups)
 
     eos_token, eos_id = _eos(target.directory)
@@ -150,6 +151,17 @@ def convert(args: argparse.Namespace) -> BundleManifest:
                               models=models, heads=heads, arrays=arrays)
     manifest.save(out)
     return manifest
+
+
+def _kv_geometry(target_dir: Path, layer: int) -> tuple[int, int]:
+    """(KV heads, head dim) of one target layer, read off its graph's past input: layers
+    of one target may differ (Gemma's full and sliding layers)."""
+    import onnx
+
+    graph = onnx.load(str(target_dir / "model.onnx"), load_external_data=False).graph
+    past = next(i for i in graph.input if i.name == f"past_key_values.{layer}.key")
+    dims = past.type.tensor_type.shape.dim
+    return dims[1].dim_value, dims[3].dim_value
 
 
 def _check_width(what: str, width: int, target_hidden: int) -> None:
