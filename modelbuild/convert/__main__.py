@@ -3,10 +3,13 @@
     python -m modelbuild.convert --target HF_DIR --out BUNDLE \\
         [--eagle3 DIR] [--mtp DIR] [--assistant DIR] [--draft HF_DIR] [--aux-layers 2,16,29]
 
-Runs in its own venv (``bash scripts/install_convert.sh``): mobius-onnx pulls torch and
-plain onnxruntime, which must never sit beside onnxruntime-gpu in specserve's ``.venv``.
-Then ``python -m engine generate --model BUNDLE --mode eagle3 ...`` or
-``SPECSERVE_MODEL_DIR=BUNDLE serve run serve_config.yaml`` serves it.
+Runs in ``.venv-convert`` (``bash scripts/install_convert.sh``) or wherever the
+``convert`` extra is installed: mobius-onnx needs torch (install ``torch==2.13.0``, the
+CPU build, first), so it is never a runtime dependency.
+Then ``python -m engine generate --model BUNDLE --speculative eagle3 ...`` runs it
+in-process and ``bash scripts/quickstart.sh --model-dir BUNDLE`` serves it (or set
+``model_dir`` in ``serve_config.yaml``, with ``load:`` naming only the kinds the bundle
+has, and ``serve run serve_config.yaml``).
 
 - ``--eagle3``: an EAGLE-3 head, SafeAILab/EAGLE (``LlamaForCausalLMEagle3``) or
   speculators (``Eagle3Speculator``) layout. Its aux layers are the config's
