@@ -77,9 +77,9 @@ def verify_groups(widths: Sequence[int], table: VerifyCostTable | None) -> list[
     32 sequences to five rows (measured 45 ms against 11 ms plain), so a few drafting
     sequences made a round dearer than plain decoding; run apart, they cost a small
     call (pinned prompt lookup, whose drafts come and go per sequence: +9-14 % tokens/s
-    at 16 streams, +21-29 % at 32). At a small batch the second call's fixed cost wins and one
-    padded call stays. The draft-length planner still costs a round padded: with the
-    margin a split is only ever cheaper than that. Indices in ``widths`` order."""
+    at 16 streams, +21-29 % at 32). At a small batch the second call's fixed cost wins
+    and one padded call stays. The draft-length planner still costs a round padded:
+    with the margin a split is only ever cheaper than that. Indices in ``widths`` order."""
     everyone = list(range(len(widths)))
     plain = [i for i, w in enumerate(widths) if w == 1]
     drafting = [i for i, w in enumerate(widths) if w > 1]
