@@ -26,18 +26,7 @@ from pathlib import Path
 
 from engine.model.manifest import BundleManifest
 
-from .convert.target import adopt_output_names
-
-
-def mobius_target(target_dir: Path, out_dir: Path, aux_layers: tuple[int, ...]) -> Path:
-    """Build ``out_dir/model.onnx`` with mobius and give it the bundle's output names."""
-    import mobius  # dev-only: pulls torch
-
-    package = mobius.build(str(target_dir), dtype="f32", output_layer_indices=[j - 1 for j in aux_layers])
-    package.save(str(out_dir))
-    path = out_dir / "model.onnx"
-    adopt_output_names(path, aux_layers)
-    return path
+from .convert.target import build_target_graph
 
 
 def main() -> None:
@@ -53,7 +42,7 @@ def main() -> None:
     shutil.copytree(args.bundle, args.out)
     out_target = args.out / target.directory
     (out_target / target.onnx).unlink()  # replaced by mobius's graph (and its model.onnx.data)
-    mobius_target(args.bundle / target.directory, out_target, aux)
+    build_target_graph(args.bundle / target.directory, out_target, aux)
     print(json.dumps({"bundle": str(args.out), "target": str(out_target / "model.onnx"),
                       "aux_layers": list(aux)}))
 

@@ -35,7 +35,8 @@ from pathlib import Path
 from engine.model.manifest import ArrayEntry, BundleManifest, ConversionRecord, HeadEntry, HiddenOutputs, ModelEntry
 
 from .eagle3 import Eagle3Checkpoint, convert_eagle3
-from .target import FINAL_HIDDEN, ConvertedTarget, aux_output_name, convert_target, default_aux_layers
+from .target import (FINAL_HIDDEN, ConvertedTarget, aux_output_name, convert_target, default_aux_layers,
+                     graph_parameters)
 from .target import architecture_of as read_architecture
 
 
@@ -47,14 +48,6 @@ def tool_version() -> str:
 
 def _record(source: Path, source_format: str, notes: str = "") -> ConversionRecord:
     return ConversionRecord(source=str(source.resolve()), source_format=source_format, tool=tool_version(), notes=notes)
-
-
-def _graph_parameters(directory: Path) -> int:
-    import numpy as np
-    import onnx
-
-    graph = onnx.load(str(directory / "model.onnx"), load_external_data=False).graph
-    return sum(int(np.prod(t.dims)) for t in graph.initializer)
 
 
 def _write_head_config(directory: Path, facts: dict, hidden_inputs: dict[str, list[str]]) -> None:
@@ -116,7 +109,7 @@ def convert(args: argparse.Namespace) -> BundleManifest:
         _write_head_config(directory, facts, wiring)
         heads[kind] = HeadEntry(
             kind=kind, directory=f"heads/{kind}", onnx="model.onnx", weights="model.onnx.data", config="config.json",
-            parameters=_graph_parameters(directory), target_hidden_inputs=wiring, shared_kv_groups=groups or {},
+            parameters=graph_parameters(directory / "model.onnx"), target_hidden_inputs=wiring, shared_kv_groups=groups or {},
             draft_vocab_size=facts.get("draft_vocab_size"), d2t=facts.get("d2t"), uses_arrays=uses,
             converted=_record(source, facts.get("source_format", kind)))
 

@@ -56,7 +56,22 @@ class Eagle3Checkpoint:
         return tuple(int(i) for i in ids)
 
 
-def build_graph(checkpoint: Eagle3Checkpoint):
+def load_weights(checkpoint: Eagle3Checkpoint) -> dict:
+    """Every tensor of the checkpoint, floats as float32. A published EAGLE-3 ``fc`` has no
+    bias (vLLM's and mobius's have none); an all-zero one, which some exports write, is
+    dropped, and any other is refused."""
+    from safetensors.torch import load_file
+
+    weights = {}
+    for file in sorted(checkpoint.directory.glob("*.safetensors")):
+        weights.update(load_file(str(file)))
+    bias = weights.pop("fc.bias", None)
+    if bias is not None and float(bias.abs().max()) > 0:
+        raise ValueError(f"{checkpoint.directory}: fc has a bias, which the published EAGLE-3 (and mobius) has not")
+    return {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
+
+
+def build_graph(checkpoint: Eagle3Checkpoint, weights: dict):
     """mobius's ``Eagle3DraftModel`` built from the checkpoint's config and weights.
 
     Not ``mobius.build(dir)``: a speculators config has no top-level ``model_type``, so
@@ -71,7 +86,6 @@ def build_graph(checkpoint: Eagle3Checkpoint):
     from mobius import build_from_module
     from mobius._configs import Eagle3Config
     from mobius.models import Eagle3DraftModel
-    from safetensors.torch import load_file
     from transformers import LlamaConfig
 
     # transformers' LlamaConfig normalises the rope fields (flat rope_theta or nested
@@ -84,10 +98,6 @@ def build_graph(checkpoint: Eagle3Checkpoint):
     config = dataclasses.replace(Eagle3Config.from_transformers(hf_config), dtype=ir.DataType.FLOAT)
     module = Eagle3DraftModel(config)
     package = build_from_module(module, config, "eagle3-draft")
-    weights = {}
-    for file in sorted(checkpoint.directory.glob("*.safetensors")):
-        weights.update(load_file(str(file)))
-    weights = {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
     apply_every_weight(package, module.preprocess_weights(weights), checkpoint.directory)
     return package
 
@@ -95,31 +105,22 @@ def build_graph(checkpoint: Eagle3Checkpoint):
 def convert_eagle3(checkpoint: Eagle3Checkpoint, out_dir: Path, target_hidden: int, target_vocab: int) -> dict:
     """Build the head's graph and ``d2t.npy`` in ``out_dir``; return the facts for its
     ``config.json``."""
-    from safetensors import safe_open
-
     layer = checkpoint.layer_config
     hidden = layer["hidden_size"]
     if checkpoint.config.get("target_hidden_size") not in (None, hidden) or hidden != target_hidden:
         raise ValueError(f"{checkpoint.directory}: an EAGLE-3 head of width {hidden} for a target of width "
                          f"{target_hidden} (a projected target width is not supported)")
+    weights = load_weights(checkpoint)
     out_dir.mkdir(parents=True, exist_ok=True)
-    build_graph(checkpoint).save(str(out_dir))
-    tensors = {}
-    for file in sorted(checkpoint.directory.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for key in ("d2t", "lm_head.weight", "fc.bias"):
-                if key in f.keys():
-                    tensors[key] = f.get_tensor(key)
-    if "fc.bias" in tensors and float(tensors["fc.bias"].abs().max()) > 0:
-        raise ValueError(f"{checkpoint.directory}: fc has a bias, which the published EAGLE-3 (and mobius) has not")
-    draft_vocab = int(tensors["lm_head.weight"].shape[0])
+    build_graph(checkpoint, weights).save(str(out_dir))
+    draft_vocab = int(weights["lm_head.weight"].shape[0])
     facts = {"head_type": "eagle3", "source_format": checkpoint.layout, "hidden_size": hidden,
              "num_attention_heads": layer["num_attention_heads"],
              "num_key_value_heads": layer.get("num_key_value_heads", layer["num_attention_heads"]),
              "head_dim": architecture_of(layer).head_dim, "vocab_size": target_vocab,
              "draft_vocab_size": draft_vocab, "hidden_chain": "fused_first_step"}
-    if "d2t" in tensors:
-        d2t = tensors["d2t"].to(dtype=tensors["d2t"].dtype).numpy().astype(np.int64)
+    if "d2t" in weights:
+        d2t = weights["d2t"].numpy().astype(np.int64)
         if d2t.shape != (draft_vocab,):
             raise ValueError(f"{checkpoint.directory}: d2t has shape {d2t.shape}, the LM head {draft_vocab} rows")
         mapped = np.arange(draft_vocab) + d2t

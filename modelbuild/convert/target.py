@@ -63,18 +63,13 @@ def architecture_of(config: dict) -> Architecture:
 def convert_target(hf_dir: Path, out_dir: Path, aux_layers: tuple[int, ...]) -> ConvertedTarget:
     """Build ``out_dir/model.onnx`` (+ ``model.onnx.data``) and the arrays, copy the
     config and tokenizer."""
-    import mobius  # convert extra only: it pulls torch
-
     config = json.loads((hf_dir / "config.json").read_text())
     architecture = architecture_of(config)
     for layer in aux_layers:
         if not 1 <= layer < architecture.num_layers:
             raise ValueError(f"aux layer {layer} is outside 1..{architecture.num_layers - 1}: it is the residual "
                              "stream entering that decoder layer (layer 0, the embeddings, is not an output)")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    package = mobius.build(str(hf_dir), dtype="f32", output_layer_indices=[j - 1 for j in aux_layers] or None)
-    package.save(str(out_dir))
-    adopt_output_names(out_dir / "model.onnx", aux_layers)
+    build_target_graph(hf_dir, out_dir, aux_layers)
     embed, lm_head = embedding_and_lm_head(hf_dir)
     if text_config(config).get("model_type", "").startswith("gemma"):
         # Gemma scales its embeddings by sqrt(hidden) inside the model; heads are fed what
@@ -92,9 +87,25 @@ def convert_target(hf_dir: Path, out_dir: Path, aux_layers: tuple[int, ...]) -> 
             shutil.copy(hf_dir / name, out_dir / name)
     if not (out_dir / "tokenizer.json").is_file():
         raise ValueError(f"{hf_dir} has no tokenizer.json (the engine reads the fast tokenizer's file)")
-    parameters = sum(int(np.prod(t.dims)) for t in onnx.load(str(out_dir / "model.onnx"),
-                                                              load_external_data=False).graph.initializer)
-    return ConvertedTarget(out_dir, architecture, tuple(aux_layers), parameters)
+    return ConvertedTarget(out_dir, architecture, tuple(aux_layers), graph_parameters(out_dir / "model.onnx"))
+
+
+def build_target_graph(hf_dir: Path, out_dir: Path, aux_layers: tuple[int, ...]) -> Path:
+    """mobius's graph of ``hf_dir`` in ``out_dir``, asking for aux layer j as mobius index
+    j - 1, under the names the engine reads (``adopt_output_names``)."""
+    import mobius  # convert extra only: it pulls torch
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    package = mobius.build(str(hf_dir), dtype="f32", output_layer_indices=[j - 1 for j in aux_layers] or None)
+    package.save(str(out_dir))
+    path = out_dir / "model.onnx"
+    adopt_output_names(path, aux_layers)
+    return path
+
+
+def graph_parameters(path: Path) -> int:
+    """Weights in an ONNX graph (its initializers), read without loading their data."""
+    return sum(int(np.prod(t.dims)) for t in onnx.load(str(path), load_external_data=False).graph.initializer)
 
 
 def adopt_output_names(path: Path, aux_layers: tuple[int, ...]) -> None:

@@ -28,11 +28,16 @@ PROMPT = [11, 402, 77, 1234, 9, 3000, 15, 15, 88, 402, 77]
 CPU = EngineConfig(device="cpu", intra_op_threads=1, speculative=SpeculativeConfig(adaptive=False))
 
 
-def run_target(bundle_dir, tokens):
-    """The converted target on the whole prompt at once: logits and every extra output."""
+def forward(bundle_dir, tokens):
+    """The converted target on ``tokens`` at once, from an empty past."""
     decoder = OnnxDecoder(Bundle.load(bundle_dir).target_dir, "cpu", 1)
     n = len(tokens)
-    out = decoder.forward(np.array([tokens]), np.ones((1, n), np.int64), np.arange(n)[None], decoder.empty_past())
+    return decoder.forward(np.array([tokens]), np.ones((1, n), np.int64), np.arange(n)[None], decoder.empty_past())
+
+
+def run_target(bundle_dir, tokens):
+    """Logits and every extra output of the whole prompt."""
+    out = forward(bundle_dir, tokens)
     return out.logits[0], {name: value[0] for name, value in out.extras.items()}
 
 
@@ -70,12 +75,8 @@ def test_the_engine_reproduces_transformers_greedy_tokens(tiny):
 
 def _context(bundle_dir, tokens, width, needs_kv_layers=None) -> ProposerContext:
     """What the coordinator hands a proposer after the target ran ``tokens[:-1]``."""
-    manifest = Bundle.load(bundle_dir).manifest
-    hidden = manifest.models["target"].hidden_outputs
-    decoder = OnnxDecoder(Bundle.load(bundle_dir).target_dir, "cpu", 1)
-    past = tokens[:-1]
-    n = len(past)
-    out = decoder.forward(np.array([past]), np.ones((1, n), np.int64), np.arange(n)[None], decoder.empty_past())
+    hidden = Bundle.load(bundle_dir).manifest.models["target"].hidden_outputs
+    out = forward(bundle_dir, tokens[:-1])
     layers = None
     if hidden.layer_indices:
         layers = tuple(out.extras[f"aux_hidden.{j}"][0, -1] for j in hidden.layer_indices)

@@ -78,16 +78,21 @@ def test_two_steps_through_the_cache_match_the_reference_over_both(converted, se
     """Step 1 reads step 0's cache and, as the engine's proposer does, threads the head's
     own last ``mtp_hidden`` as its hidden state; the reference sees both steps' inputs
     at once, causally, with no cache."""
-    checkpoint = converted[0]
-    rng = np.random.default_rng(2)
+    _check_two_steps(session, lambda *args: qwen35_mtp_reference(converted[0], *args), seed=2)
+
+
+def _check_two_steps(session, reference, seed: int) -> None:
+    """Three positions, then one more through their cache with the last ``mtp_hidden``
+    threaded: equal to ``reference`` over all four positions at once."""
+    rng = np.random.default_rng(seed)
     embeds0, hidden0 = _random(rng, 1, 3, HIDDEN), _random(rng, 1, 3, HIDDEN)
     out0, key0, value0 = _run(session, embeds0, hidden0, np.arange(3)[None])
     embeds1, hidden1 = _random(rng, 1, 1, HIDDEN), out0[:, -1:]
     out1, key1, value1 = _run(session, embeds1, hidden1, np.array([[3]]), key0, value0)
     assert key1.shape == value1.shape == (1, KV_HEADS, 4, HEAD_DIM)
     np.testing.assert_array_equal(key1[:, :, :3], key0)  # the cache is appended to, not rewritten
-    expected = qwen35_mtp_reference(checkpoint, np.concatenate([embeds0, embeds1], 1),
-                                    np.concatenate([hidden0, hidden1], 1), np.arange(4)[None])
+    expected = reference(np.concatenate([embeds0, embeds1], 1), np.concatenate([hidden0, hidden1], 1),
+                         np.arange(4)[None])
     assert np.abs(out0 - expected[:, :3]).max() < TOLERANCE
     assert np.abs(out1[:, -1] - expected[:, -1]).max() < TOLERANCE
 
@@ -199,17 +204,7 @@ def test_moe_head_one_pass_matches_the_reference(moe_head):
 
 def test_moe_head_two_steps_through_the_cache_match_the_reference_over_both(moe_head):
     name, checkpoint, _, _, session = moe_head
-    rng = np.random.default_rng(12)
-    embeds0, hidden0 = _random(rng, 1, 3, HIDDEN), _random(rng, 1, 3, HIDDEN)
-    out0, key0, value0 = _run(session, embeds0, hidden0, np.arange(3)[None])
-    embeds1, hidden1 = _random(rng, 1, 1, HIDDEN), out0[:, -1:]
-    out1, key1, value1 = _run(session, embeds1, hidden1, np.array([[3]]), key0, value0)
-    assert key1.shape == value1.shape == (1, KV_HEADS, 4, HEAD_DIM)
-    np.testing.assert_array_equal(key1[:, :, :3], key0)
-    expected = MOE_HEADS[name][1](checkpoint, np.concatenate([embeds0, embeds1], 1),
-                                  np.concatenate([hidden0, hidden1], 1), np.arange(4)[None])
-    assert np.abs(out0 - expected[:, :3]).max() < TOLERANCE
-    assert np.abs(out1[:, -1] - expected[:, -1]).max() < TOLERANCE
+    _check_two_steps(session, lambda *args: MOE_HEADS[name][1](checkpoint, *args), seed=12)
 
 
 def test_moe_head_graph_io_is_the_engine_contract(moe_head):
