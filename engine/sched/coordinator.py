@@ -228,13 +228,18 @@ class RoundCoordinator:
         self._propose_locally(decoding)
         await self._choose_draft_lengths(decoding)
         proposals = self._propose_calls(lane, decoding)
+        calling = time.perf_counter()
         results = await self._gather(proposals.values())
+        in_calls = time.perf_counter() - calling
         for (mode, replica), outcome in zip(proposals, results):
             self._take_proposals(lane, mode, replica, outcome)
         propose_done = time.perf_counter()
 
         target_calls = self._target_calls(lane, prefilling, decoding)
+        drafting = any(run.driver.drafted for run in decoding)
+        calling = time.perf_counter()
         outcomes = await self._gather(call for call, _ in target_calls.values())
+        in_calls += time.perf_counter() - calling
         for (replica, (_, runs)), outcome in zip(target_calls.items(), outcomes):
             self._take_target_results(lane, replica, runs, outcome)
         kv_releases, lane.kv_releases = lane.kv_releases, []
@@ -245,6 +250,8 @@ class RoundCoordinator:
             if run.driver.finished:
                 self._retire(lane, run)
         finished = time.perf_counter()
+        if self.draft_lengths is not None and decoding and not prefilling:
+            self.draft_lengths.verify_costs.observe_overhead(len(decoding), drafting, finished - started - in_calls)
         t = self.timings
         t.ticks, t.rounds = t.ticks + 1, t.rounds + len(prefilling) + len(decoding)
         t.propose_s += propose_done - started
@@ -289,8 +296,8 @@ class RoundCoordinator:
         for runs in calls.values():
             if not any(run.driver.adaptive for run in runs):
                 continue
-            requests = [DraftRequest(r.driver.seq_id, r.driver.mode, r.driver.round_drafts, r.driver.adaptive)
-                        for r in runs]
+            requests = [DraftRequest(r.driver.seq_id, r.driver.mode, r.driver.round_drafts, r.driver.adaptive,
+                                     r.driver.catch_up) for r in runs]
             for run, k in zip(runs, self.draft_lengths.plan(requests)):
                 run.driver.round_drafts = k
                 if run.driver.local_proposer is not None:
@@ -417,8 +424,7 @@ class RoundCoordinator:
             seconds = time.perf_counter() - started
             self.metrics.verify_call(seconds)
             if self.draft_lengths is not None and verifies and not prefills:  # a prefill is not a verify's cost
-                rows = len(verifies) * (max(len(item.drafts) for item in verifies) + 1)  # padded to the longest
-                self.draft_lengths.verify_costs.observe(len(verifies), rows, seconds)
+                self.draft_lengths.verify_costs.observe([len(item.drafts) + 1 for item in verifies], seconds)
         return results, releases
 
     def _take_target_results(self, lane: _Lane, replica: str, runs: list[_Run], outcome) -> None:

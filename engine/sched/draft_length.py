@@ -32,8 +32,16 @@ PRIOR_WEIGHT = 8.0       # rounds' worth of weight the mode average keeps in a s
 MODE_DECAY = 0.995       # per recorded round: a mode's average follows the current traffic
 MIXED_PLAN_MARGIN = 0.05  # a plan between "no drafts" and "every maximum" must be predicted this much
                           # faster than the better of the two: the cost model is good to ~10 % here
+DRAFT_MARGIN = 0.05      # and any plan with drafts this much faster than none: drafting's costs beyond
+                         # the model (a batch desynchronised by uneven progress, layouts reshuffled)
+                         # all fall on its side, and plain rounds are what never-slower is measured by
 EXPLORE_EVERY = 32       # plans in a row in which a mode drafted short of its maximum before one
-                         # sequence drafts one position deeper
+                         # sequence drafts one position deeper ...
+EXPLORE_BATCH = 4        # ... times (sequences in the call / this) beyond it: in a large call one
+                         # exploring sequence costs the whole batch (a split verify, a layout
+                         # shuffled, a draft model's catch-up), and tells no more than in a small one
+CATCH_UP_STEPS = 0.1     # a draft model's step-equivalents per token of catch-up: it feeds them in one
+                         # pass (here: a step 0.37 ms, 10 tokens 0.58 ms, 40 tokens 1.52 ms)
 
 
 @dataclass
@@ -91,6 +99,8 @@ class DraftRequest:
     mode: str
     k_max: int          # the most this round may draft (request's k, capped by length/context)
     adaptive: bool      # False: the request pinned k = k_max
+    catch_up: float = 0.0  # tokens a draft model must feed before it drafts, beyond a round's,
+                           # per round the request has left (``SequenceDriver.catch_up``)
 
 
 class DraftLengthController:
@@ -110,8 +120,10 @@ class DraftLengthController:
         batch's rate. The caps whose plan commits the most tokens per second win -- but a
         plan between the two a user could pin (no drafts, every maximum) only when it is
         predicted ``MIXED_PLAN_MARGIN`` faster than the better of them: where the model
-        cannot tell plans apart, doing what a pinned k does costs nothing. The target call
-        is costed padded: a batched verify runs every sequence to the longest one's rows."""
+        cannot tell plans apart, doing what a pinned k does costs nothing; and any plan
+        with drafts only when predicted ``DRAFT_MARGIN`` faster than plain rounds. The
+        target call is costed padded: a batched verify runs every sequence to the longest
+        one's rows."""
         alphas = [self.acceptance.alphas(r.seq_id, r.mode, r.k_max) for r in requests]
         modes = sorted({r.mode for r in requests if r.adaptive and r.k_max > 0})
         top = {m: max(r.k_max for r in requests if r.mode == m and r.adaptive) for m in modes}
@@ -121,15 +133,20 @@ class DraftLengthController:
         else:  # coordinate-wise: each mode's cap in turn, the others at their maximum
             choices = [tuple(top[x] if x != m else k for x in modes) for m in modes for k in range(top[m] + 1)]
         baselines = []  # (rate, ks) of the plans a user could pin: no drafts, every maximum
+        plain = None    # (rate, ks) of no drafts
         for caps in choices:
             ks, rate = self._under_caps(requests, alphas, dict(zip(modes, caps)))
+            if all(c == 0 for c in caps):
+                plain = (rate, ks)
             if all(c == 0 for c in caps) or all(c == top[m] for c, m in zip(caps, modes)):
                 baselines.append((rate, ks))
             if rate > best_rate * (1 + 1e-6):
                 best_rate, best_ks = rate, ks
         baseline_rate, baseline_ks = max(baselines, key=lambda b: b[0], default=(0.0, best_ks))
         if best_rate < baseline_rate * (1 + MIXED_PLAN_MARGIN):
-            best_ks = baseline_ks
+            best_rate, best_ks = baseline_rate, baseline_ks
+        if plain is not None and best_rate < plain[0] * (1 + DRAFT_MARGIN):
+            best_ks = plain[1]
         self._explore(requests, best_ks)
         return best_ks
 
@@ -140,6 +157,8 @@ class DraftLengthController:
         # A batched verify pads every sequence to the call's longest, so below the longest a
         # draft costs no target row; what it can still cost is a draft model's step. Drop
         # the trailing drafts whose expected tokens do not pay for that at the batch's rate.
+        # A draft model that sat out rounds (or never saw the sequence) first feeds what it
+        # missed: its first draft also pays for that catch-up (spread over the rounds left).
         pruned = False
         for i, r in enumerate(requests):
             step = self.draft_costs.marginal_step(r.mode) if r.mode not in self.draft_costs.batched else 0.0
@@ -148,7 +167,7 @@ class DraftLengthController:
             reach, keep = 1.0, 0
             for j in range(ks[i]):
                 reach *= alphas[i][j]
-                if reach < rate * step:
+                if reach < rate * step * (1 + (CATCH_UP_STEPS * r.catch_up if j == 0 else 0)):
                     break
                 keep = j + 1
             if keep < ks[i]:
@@ -157,7 +176,7 @@ class DraftLengthController:
 
     def _rate(self, requests: Sequence[DraftRequest], alphas: list[list[float]], ks: list[int]) -> float:
         """Expected committed tokens per second of a plan."""
-        expected = 0.0
+        expected, catch_up = 0.0, 0.0  # catch_up: seconds of draft models catching up first
         drafting: dict[str, list[int]] = {}
         for r, a, k in zip(requests, alphas, ks):
             reach = 1.0
@@ -167,8 +186,10 @@ class DraftLengthController:
                 expected += reach
             if k > 0:
                 drafting.setdefault(r.mode, []).append(k)
+                if r.catch_up and r.mode not in self.draft_costs.batched:
+                    catch_up += CATCH_UP_STEPS * r.catch_up * self.draft_costs.marginal_step(r.mode)
         rows = len(requests) * (max(ks, default=0) + 1)  # padded to the longest
-        seconds = self.verify_costs.predict(len(requests), rows)
+        seconds = self.verify_costs.predict(len(requests), rows) + catch_up
         for mode, counts in drafting.items():
             seconds += self.draft_costs.predict(mode, len(counts), max(counts), sum(counts))
         return expected / seconds if seconds > 0 else float("inf")
@@ -199,7 +220,7 @@ class DraftLengthController:
                 self._idle_plans[mode] = 0  # some sequence drafts the deepest allowed: every position is judged
                 continue
             self._idle_plans[mode] = self._idle_plans.get(mode, 0) + 1
-            if self._idle_plans[mode] >= EXPLORE_EVERY:
+            if self._idle_plans[mode] >= EXPLORE_EVERY * max(1.0, len(requests) / EXPLORE_BATCH):
                 self._idle_plans[mode] = 0
                 deepest = max(short, key=lambda i: ks[i])
                 if ks[deepest] == 0:

@@ -39,6 +39,9 @@ WINDOW_REFUSAL = ("speculative decoding needs a full-attention KV cache to stay 
                   "sliding_window set, so only speculative_mode 'none' is available")
 
 
+ROUND_TOKENS = 2.0  # tokens a drafting round commits, roughly: what a catch-up is spread over
+
+
 class SequenceDriver:
     def __init__(self, seq_id: Hashable, state: SequenceState, mode: str, num_drafts: int, needs: Needs,
                  local_proposer: Proposer | None = None, remote_proposer: bool = False, kv_tokens: int = 0,
@@ -101,6 +104,21 @@ class SequenceDriver:
         state = self.state
         proposal = self.local_proposer.propose(proposer_context(width, state.tokens, state.options, Anchor(), None))
         self._drafts = [int(t) for t in proposal.tokens[: width - 1]]
+
+    @property
+    def catch_up(self) -> float:
+        """Tokens a remote proposer must feed before it drafts this round beyond what one
+        round commits -- what rounds without drafts committed, or the whole context at
+        first contact -- spread over the rounds the request has left: drafting now buys
+        every later round's drafts, so a catch-up is a one-off, not this round's cost (near
+        the end of a request it is not worth it)."""
+        if not self.remote_proposer:
+            return 0.0
+        lag = len(self.state.tokens) - self._proposer_has
+        if self._proposer_has:
+            lag -= self.num_drafts + 1
+        left = self.state.options.max_new_tokens - (len(self.state.tokens) - self.state.prompt_len)
+        return max(0, lag) / max(1.0, left / ROUND_TOKENS)
 
     @property
     def drafted(self) -> int:
