@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from engine import Engine, GenerationOptions
-from engine.sched.costs import DraftCostModel, DraftCostTable, VerifyCostModel, VerifyCostTable, verify_groups
+from engine.sched.costs import (MIN_KIND_CALLS, DraftCostModel, DraftCostTable, VerifyCostModel, VerifyCostTable,
+                                 verify_groups)
 from engine.sched.draft_length import (EXPLORE_BATCH, EXPLORE_EVERY, AcceptanceTracker, DraftLengthController,
                                       DraftRequest)
 from engine.spec.proposers.registry import BATCHED_MODES
@@ -59,7 +60,7 @@ def test_one_stream_with_a_good_head_drafts_the_maximum():
 
 
 def test_under_load_a_weak_proposer_stops_drafting_and_a_strong_head_keeps_drafting():
-    loaded = controller({"prompt_lookup": 0.12, "eagle3": 0.75})
+    loaded = controller({"prompt_lookup": 0.1, "eagle3": 0.75})
     assert loaded.plan(requests("prompt_lookup", 32)) == [0] * 32  # rows cost more than they earn: plain rounds
     assert min(loaded.plan(requests("eagle3", 32))) >= 3              # its drafts still pay for their rows
     # ... and the same weak proposer drafts again once the load is gone
@@ -70,13 +71,6 @@ def test_speculation_shrinks_as_the_batch_grows():
     plans = {n: controller({"draft_model": 0.5}).plan(requests("draft_model", n)) for n in (1, 4, 16, 32)}
     means = [sum(plan) / len(plan) for plan in plans.values()]
     assert means == sorted(means, reverse=True) and means[0] > means[-1]
-
-
-def test_a_plan_with_drafts_must_beat_plain_rounds_by_a_margin():
-    """Drafting's costs beyond the model fall on its side, so a plan predicted barely
-    faster than plain rounds (a 10 % proposer at batch 1: ~1 % faster) runs plain."""
-    assert controller({"prompt_lookup": 0.1}).plan(requests("prompt_lookup", 1)) == [0]
-    assert controller({"prompt_lookup": 0.3}).plan(requests("prompt_lookup", 1))[0] >= 1
 
 
 def test_a_pinned_request_keeps_its_k_and_a_plan_never_exceeds_k_max():
@@ -186,7 +180,12 @@ def test_real_calls_correct_the_table_per_kind_of_call():
         model.observe([1] * 32, truth(32, 32))
     assert model.call(32, 32) == pytest.approx(truth(32, 32))
     assert model.call(32, 160) == pytest.approx(truth(32, 160), rel=0.03)
-    for _ in range(5):
+    scaled = model.call(32, 160)
+    odd = VerifyCostModel(CPU_LIKE)   # a kind seen once in a bucket (a head that always drafts: its
+    odd.calls = dict(model.calls)     # plain call is a sequence's first, dear) does not bend the line
+    odd.observe([5] * 32, 3 * truth(32, 160))
+    assert odd.call(32, 32) == pytest.approx(truth(32, 32)) and odd.call(32, 160) == pytest.approx(scaled)
+    for _ in range(MIN_KIND_CALLS):
         model.observe([5] * 32, truth(32, 160))
     for rows in (32, 96, 160):
         assert model.call(32, rows) == pytest.approx(truth(32, rows), rel=0.01)
@@ -194,10 +193,10 @@ def test_real_calls_correct_the_table_per_kind_of_call():
     split = VerifyCostModel(LAYOUT_TABLE)  # where the target runs one drafting sequence apart ...
     split.observe([5] + [1] * 31, 1.0)     # ... that call is not the padded call plans price
     assert split.calls == {}
-    model.observe_overhead(32, True, 0.003)  # what a round costs beyond its calls, per kind
-    model.observe_overhead(32, False, 0.0006)
-    assert model.predict(32, 160) == pytest.approx(model.call(32, 160) + 0.003)
-    assert model.predict(32, 32) == pytest.approx(model.call(32, 32) + 0.0006)
+    model.observe_overhead(32, 0.002)  # what a round costs beyond its calls
+    assert model.predict(32, 160) == pytest.approx(model.call(32, 160) + 0.002)
+    assert model.predict(32, 32) == pytest.approx(model.call(32, 32) + 0.002)
+    assert model.predict(1, 1) == CPU_LIKE.predict(1, 1)
 
 
 @pytest.fixture(scope="module")
@@ -294,6 +293,9 @@ def test_the_target_runs_drafting_sequences_apart_when_the_table_says_so(adaptiv
     others did not, and the measured table says two calls cost less than one padded to
     five rows. Such rounds run as two calls, plain rows then drafting rows, and every
     output is still target-only's."""
+    # The table this machine measured at start-up decides; pin one measured here that says
+    # so, or a calibration taken during a busy moment (padding looking cheap) would not.
+    monkeypatch.setattr(adaptive_engine.transport.target, "_costs", LAYOUT_TABLE)
     decoder = adaptive_engine.transport.target.target
     real_feed, calls = decoder.feed_batch, []
     monkeypatch.setattr(decoder, "feed_batch", lambda requests: calls.append([len(r.tokens) for r in requests])

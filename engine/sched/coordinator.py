@@ -236,7 +236,6 @@ class RoundCoordinator:
         propose_done = time.perf_counter()
 
         target_calls = self._target_calls(lane, prefilling, decoding)
-        drafting = any(run.driver.drafted for run in decoding)
         calling = time.perf_counter()
         outcomes = await self._gather(call for call, _ in target_calls.values())
         in_calls += time.perf_counter() - calling
@@ -251,7 +250,7 @@ class RoundCoordinator:
                 self._retire(lane, run)
         finished = time.perf_counter()
         if self.draft_lengths is not None and decoding and not prefilling:
-            self.draft_lengths.verify_costs.observe_overhead(len(decoding), drafting, finished - started - in_calls)
+            self.draft_lengths.verify_costs.observe_overhead(len(decoding), finished - started - in_calls)
         t = self.timings
         t.ticks, t.rounds = t.ticks + 1, t.rounds + len(prefilling) + len(decoding)
         t.propose_s += propose_done - started

@@ -134,6 +134,9 @@ def load_bucket(sequences: int) -> int:
 
 
 MIN_SLOPE, MAX_SLOPE = 0.5, 4.0  # real seconds per table second between plain and drafting calls
+MIN_KIND_CALLS, MIN_KIND_SHARE = 8, 0.05  # a kind of call rarer than this in its bucket is an odd one
+    # (for a head that always drafts, a plain call is a sequence's first after its prefill, which
+    # copies its past into the batch layout: at 32 streams it priced plain rounds 2.4x too dear)
 
 
 class VerifyCostModel:
@@ -148,21 +151,24 @@ class VerifyCostModel:
     an offset learnt from plain calls -- nearly every call at 32 streams -- a padded
     drafting call came out at 31 ms against 45 ms measured, and the plan drafted for whole
     batches where plain rounds were faster; priced only as a ratio, the fixed part made
-    plain calls look dear and drafting cheap. Until a bucket has seen both kinds, the one
-    it has seen scales the table. A call the target split (``verify_groups``) is not the
+    plain calls look dear and drafting cheap. Until a bucket has seen enough of both kinds,
+    the one it has seen scales the table. A call the target split (``verify_groups``) is not the
     padded call the planner prices, so it teaches neither kind."""
 
     def __init__(self, table: VerifyCostTable, smoothing: float = 0.1) -> None:
         self.table, self.smoothing = table, smoothing
         # (bucket, drafting) -> ((table seconds, real seconds) averaged, calls)
         self.calls: dict[tuple[int, bool], tuple[tuple[float, float], int]] = {}
-        self.overheads: dict[tuple[int, bool], tuple[tuple[float], int]] = {}  # -> ((seconds,), rounds)
+        self.overheads: dict[int, tuple[tuple[float], int]] = {}  # bucket -> ((seconds,), rounds)
 
     def call(self, batch: int, rows: int) -> float:
         """Predicted seconds of one target call of ``batch`` sequences padded to ``rows``."""
         table = self.table.predict(batch, rows)
         bucket = load_bucket(batch)
         plain, drafting = self.calls.get((bucket, False)), self.calls.get((bucket, True))
+        seen = sum(kind[1] for kind in (plain, drafting) if kind is not None)
+        plain, drafting = (kind if kind is not None and kind[1] >= max(MIN_KIND_CALLS, MIN_KIND_SHARE * seen)
+                           else None for kind in (plain, drafting))
         if plain is not None and drafting is not None and drafting[0][0] > 1.2 * plain[0][0]:
             (t0, r0), (t1, r1) = plain[0], drafting[0]
             slope = min(MAX_SLOPE, max(MIN_SLOPE, (r1 - r0) / (t1 - t0)))
@@ -170,15 +176,14 @@ class VerifyCostModel:
         seen = (drafting or plain) if rows > batch else (plain or drafting)
         return table * seen[0][1] / seen[0][0] if seen is not None else table
 
-    def overhead(self, batch: int, drafting: bool) -> float:
-        bucket = load_bucket(batch)
-        seen = self.overheads.get((bucket, drafting)) or self.overheads.get((bucket, not drafting))
+    def overhead(self, batch: int) -> float:
+        seen = self.overheads.get(load_bucket(batch))
         return seen[0][0] if seen is not None else 0.0
 
     def predict(self, batch: int, rows: int) -> float:
         """Seconds of a round whose target call verifies ``batch`` sequences padded to
         ``rows`` rows: the call, and what the round costs beyond its calls."""
-        return self.call(batch, rows) + self.overhead(batch, rows > batch)
+        return self.call(batch, rows) + self.overhead(batch)
 
     def observe(self, widths: Sequence[int], seconds: float) -> None:
         """One target call verifying sequences of these widths (drafts + 1 each) took
@@ -189,12 +194,14 @@ class VerifyCostModel:
         table = self.table.predict(len(widths), len(widths) * widest)
         _learn(self.calls, (load_bucket(len(widths)), widest > 1), (table, seconds), self.smoothing)
 
-    def observe_overhead(self, batch: int, drafting: bool, seconds: float) -> None:
-        """A round spent ``seconds`` outside its proposer and target calls: planning,
-        committing and streaming what came back, per sequence, and more per sequence in a
-        drafting round (drafts to hand over, more tokens to commit). At 32 streams here:
-        0.5-0.9 ms a plain round, 1.2-3.7 ms a drafting one (up to a tenth of it)."""
-        _learn(self.overheads, (load_bucket(batch), drafting), (seconds,), self.smoothing)
+    def observe_overhead(self, batch: int, seconds: float) -> None:
+        """A round of ``batch`` sequences spent ``seconds`` outside its proposer and
+        target calls: planning, committing and streaming what came back (at 32 streams
+        here 0.5-0.9 ms a plain round, 1.2-3.7 ms a drafting one). One value per bucket,
+        learnt from every round: kept per kind, a drafting overhead inflated once (a
+        round at the tail of a busy run) stopped drafting, and rounds without drafts
+        never corrected it."""
+        _learn(self.overheads, load_bucket(batch), (seconds,), self.smoothing)
 
 
 def _learn(values: dict, key, sample: tuple[float, ...], smoothing: float) -> None:

@@ -32,9 +32,6 @@ PRIOR_WEIGHT = 8.0       # rounds' worth of weight the mode average keeps in a s
 MODE_DECAY = 0.995       # per recorded round: a mode's average follows the current traffic
 MIXED_PLAN_MARGIN = 0.05  # a plan between "no drafts" and "every maximum" must be predicted this much
                           # faster than the better of the two: the cost model is good to ~10 % here
-DRAFT_MARGIN = 0.05      # and any plan with drafts this much faster than none: drafting's costs beyond
-                         # the model (a batch desynchronised by uneven progress, layouts reshuffled)
-                         # all fall on its side, and plain rounds are what never-slower is measured by
 EXPLORE_EVERY = 32       # plans in a row in which a mode drafted short of its maximum before one
                          # sequence drafts one position deeper ...
 EXPLORE_BATCH = 4        # ... times (sequences in the call / this) beyond it: in a large call one
@@ -120,10 +117,8 @@ class DraftLengthController:
         batch's rate. The caps whose plan commits the most tokens per second win -- but a
         plan between the two a user could pin (no drafts, every maximum) only when it is
         predicted ``MIXED_PLAN_MARGIN`` faster than the better of them: where the model
-        cannot tell plans apart, doing what a pinned k does costs nothing; and any plan
-        with drafts only when predicted ``DRAFT_MARGIN`` faster than plain rounds. The
-        target call is costed padded: a batched verify runs every sequence to the longest
-        one's rows."""
+        cannot tell plans apart, doing what a pinned k does costs nothing. The target call
+        is costed padded: a batched verify runs every sequence to the longest one's rows."""
         alphas = [self.acceptance.alphas(r.seq_id, r.mode, r.k_max) for r in requests]
         modes = sorted({r.mode for r in requests if r.adaptive and r.k_max > 0})
         top = {m: max(r.k_max for r in requests if r.mode == m and r.adaptive) for m in modes}
@@ -133,20 +128,15 @@ class DraftLengthController:
         else:  # coordinate-wise: each mode's cap in turn, the others at their maximum
             choices = [tuple(top[x] if x != m else k for x in modes) for m in modes for k in range(top[m] + 1)]
         baselines = []  # (rate, ks) of the plans a user could pin: no drafts, every maximum
-        plain = None    # (rate, ks) of no drafts
         for caps in choices:
             ks, rate = self._under_caps(requests, alphas, dict(zip(modes, caps)))
-            if all(c == 0 for c in caps):
-                plain = (rate, ks)
             if all(c == 0 for c in caps) or all(c == top[m] for c, m in zip(caps, modes)):
                 baselines.append((rate, ks))
             if rate > best_rate * (1 + 1e-6):
                 best_rate, best_ks = rate, ks
         baseline_rate, baseline_ks = max(baselines, key=lambda b: b[0], default=(0.0, best_ks))
         if best_rate < baseline_rate * (1 + MIXED_PLAN_MARGIN):
-            best_rate, best_ks = baseline_rate, baseline_ks
-        if plain is not None and best_rate < plain[0] * (1 + DRAFT_MARGIN):
-            best_ks = plain[1]
+            best_ks = baseline_ks
         self._explore(requests, best_ks)
         return best_ks
 
