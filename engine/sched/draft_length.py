@@ -157,7 +157,7 @@ class DraftLengthController:
             reach, keep = 1.0, 0
             for j in range(ks[i]):
                 reach *= alphas[i][j]
-                if reach < rate * step * (1 + (CATCH_UP_STEPS * r.catch_up if j == 0 else 0)):
+                if reach < rate * (step + (self._catch_up_s(r) if j == 0 else 0.0)):
                     break
                 keep = j + 1
             if keep < ks[i]:
@@ -176,13 +176,19 @@ class DraftLengthController:
                 expected += reach
             if k > 0:
                 drafting.setdefault(r.mode, []).append(k)
-                if r.catch_up and r.mode not in self.draft_costs.batched:
-                    catch_up += CATCH_UP_STEPS * r.catch_up * self.draft_costs.marginal_step(r.mode)
+                catch_up += self._catch_up_s(r)
         rows = len(requests) * (max(ks, default=0) + 1)  # padded to the longest
         seconds = self.verify_costs.predict(len(requests), rows) + catch_up
         for mode, counts in drafting.items():
             seconds += self.draft_costs.predict(mode, len(counts), max(counts), sum(counts))
         return expected / seconds if seconds > 0 else float("inf")
+
+    def _catch_up_s(self, r: DraftRequest) -> float:
+        """Seconds a draft model's catch-up adds to this round if the sequence drafts (a
+        batched head restarts every pass: it has none)."""
+        if not r.catch_up or r.mode in self.draft_costs.batched:
+            return 0.0
+        return CATCH_UP_STEPS * r.catch_up * self.draft_costs.marginal_step(r.mode)
 
     def _explore(self, requests: Sequence[DraftRequest], ks: list[int]) -> None:
         """Acceptance of draft position j is only measured in rounds that draft past it. A

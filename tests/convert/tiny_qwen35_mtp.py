@@ -36,12 +36,30 @@ _MAIN_LAYERS = 4  # the main model's depth: three linear-attention layers then o
 _FULL_ATTENTION_INTERVAL = 4
 
 
+def _hybrid_layers(head_dim: int, hidden_size: int, intermediate_size: int) -> dict:
+    """The decoder fields Qwen3.5 and Qwen3-Next publish alike: their linear-attention
+    (Gated DeltaNet) geometry and which layers are full attention."""
+    return {
+        "full_attention_interval": _FULL_ATTENTION_INTERVAL,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "hidden_size": hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": intermediate_size,
+        "layer_types": ["linear_attention" if (i + 1) % _FULL_ATTENTION_INTERVAL else "full_attention"
+                        for i in range(_MAIN_LAYERS)],
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_value_head_dim": 16,
+    }
+
+
 def tiny_qwen35_config(*, hidden_size: int, vocab_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                        intermediate_size: int, max_position_embeddings: int) -> dict:
     """The composite ``qwen3_5`` config.json of a published checkpoint, with tiny sizes."""
     eos = min(248044, vocab_size - 1)  # the published id, kept inside a tiny vocabulary
-    layer_types = ["linear_attention" if (i + 1) % _FULL_ATTENTION_INTERVAL else "full_attention"
-                   for i in range(_MAIN_LAYERS)]
     text_config = {
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -49,18 +67,7 @@ def tiny_qwen35_config(*, hidden_size: int, vocab_size: int, num_heads: int, num
         "bos_token_id": eos,
         "dtype": "bfloat16",
         "eos_token_id": eos,
-        "full_attention_interval": _FULL_ATTENTION_INTERVAL,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "hidden_size": hidden_size,
-        "initializer_range": 0.02,
-        "intermediate_size": intermediate_size,
-        "layer_types": layer_types,
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 16,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_value_head_dim": 16,
+        **_hybrid_layers(head_dim, hidden_size, intermediate_size),
         "mamba_ssm_dtype": "float32",
         "max_position_embeddings": max_position_embeddings,
         "model_type": "qwen3_5_text",
@@ -246,8 +253,6 @@ def tiny_qwen3_next_config(*, hidden_size: int, vocab_size: int, num_heads: int,
     """Qwen3-Next-80B-A3B's config.json as published (transformers 4.57 wrote it: flat
     ``rope_theta`` / ``partial_rotary_factor``, ``full_attention_interval``), tiny sizes,
     plus the ``layer_types`` transformers 5 derives from the interval and writes back."""
-    layer_types = ["linear_attention" if (i + 1) % _FULL_ATTENTION_INTERVAL else "full_attention"
-                   for i in range(_MAIN_LAYERS)]
     return {
         "architectures": ["Qwen3NextForCausalLM"],
         "attention_bias": False,
@@ -255,18 +260,7 @@ def tiny_qwen3_next_config(*, hidden_size: int, vocab_size: int, num_heads: int,
         "bos_token_id": min(151643, vocab_size - 2),
         "decoder_sparse_step": 1,
         "eos_token_id": min(151645, vocab_size - 1),
-        "full_attention_interval": _FULL_ATTENTION_INTERVAL,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "hidden_size": hidden_size,
-        "initializer_range": 0.02,
-        "intermediate_size": intermediate_size,
-        "layer_types": layer_types,
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 16,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_value_head_dim": 16,
+        **_hybrid_layers(head_dim, hidden_size, intermediate_size),
         "max_position_embeddings": max_position_embeddings,
         "mlp_only_layers": [],
         "model_type": "qwen3_next",
