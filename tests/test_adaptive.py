@@ -199,6 +199,21 @@ def test_real_calls_correct_the_table_per_kind_of_call():
     assert model.predict(1, 1) == CPU_LIKE.predict(1, 1)
 
 
+def test_one_slow_first_proposer_call_does_not_price_drafting_out():
+    """Proposer calls are only observed while a mode drafts, so an overestimate stops the
+    calls that would correct it: a first call 4 ms slow (a new shape's allocation
+    planning) learnt whole once kept one-stream drafting off for whole requests. It is
+    learnt from the table up; an overhead every call pays is still learnt."""
+    costs = DraftCostModel(BATCHED_MODES)
+    costs.add("eagle3", HEAD)
+    ordinary = costs.predict("eagle3", 1, 4, 4)
+    costs.observe("eagle3", 1, 4, 4, ordinary + 0.004)
+    assert costs.predict("eagle3", 1, 4, 4) < ordinary + 0.001
+    for _ in range(60):  # a hop every call now pays
+        costs.observe("eagle3", 1, 4, 4, ordinary + 0.003)
+    assert costs.predict("eagle3", 1, 4, 4) == pytest.approx(ordinary + 0.003, rel=0.02)
+
+
 @pytest.fixture(scope="module")
 def adaptive_engine():
     config = CPU_CONFIG.model_copy(update={"speculative": CPU_CONFIG.speculative.model_copy(
