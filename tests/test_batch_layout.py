@@ -5,12 +5,17 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 
+from engine.kv import batch_layout
 from engine.model.cached_decoder import CachedDecoder, FeedRequest
 from tests.conftest import CPU_CONFIG, DRAFT_DIR
 
 
-def test_batched_calls_on_a_kept_layout_match_feeding_each_sequence_alone():
+@pytest.mark.parametrize("fresh_memory", ["as numpy gives it", "NaN"])
+def test_batched_calls_on_a_kept_layout_match_feeding_each_sequence_alone(monkeypatch, fresh_memory):
+    if fresh_memory == "NaN":  # a rebuilt layout's padding must be zeroed, whatever memory it got
+        monkeypatch.setattr(batch_layout, "np", _NanEmptyNumpy())
     batched, alone = CachedDecoder(DRAFT_DIR, CPU_CONFIG), CachedDecoder(DRAFT_DIR, CPU_CONFIG)
     rng = random.Random(7)
     vocab = batched.decoder.vocab_size
@@ -56,3 +61,14 @@ def test_batched_calls_on_a_kept_layout_match_feeding_each_sequence_alone():
     layouts = batched.batch_layouts
     # The schedule really went through every path of the layout.
     assert layouts.reused > 10 and layouts.rebuilt > 3 and layouts.placed > 0 and layouts.dummy_rows > 0, vars(layouts)
+
+
+class _NanEmptyNumpy:
+    """numpy, except that ``empty`` hands out NaN-filled memory (what garbage can be)."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def empty(shape, dtype=float):
+        return np.full(shape, np.nan, dtype)

@@ -144,7 +144,9 @@ class BatchLayouts:
             _, heads, _, dim = pasts[0].keys[layer].shape
             dtype = pasts[0].keys[layer].dtype
             # Zeros, not empty: a padded slot is masked, but garbage there could be NaN,
-            # and 0 x NaN in the attention's weighted sum would still poison the row.
+            # and 0 x NaN in the attention's weighted sum would still poison the row. Nor
+            # empty plus zeroing only the padding: measured, the copies then pay the fresh
+            # pages' faults, and rebuilds took 0.50 s of a 32-stream run instead of 0.38 s.
             keys.append(np.zeros((len(seq_ids), heads, length, dim), dtype))
             values.append(np.zeros((len(seq_ids), heads, length, dim), dtype))
         for row, past in enumerate(pasts):
