@@ -100,6 +100,7 @@ class _Lane:
     released_again: set = field(default_factory=set)  # proposer releases already re-sent once after a failed call
     task: asyncio.Task | None = None
     ticking: bool = False  # releases are in flight inside a tick
+    members: dict[str, frozenset] = field(default_factory=dict)  # target replica -> its last call's sequences
 
     @property
     def has_work(self) -> bool:
@@ -413,16 +414,24 @@ class RoundCoordinator:
         calls = {}
         for replica, (prefills, verifies, runs) in groups.items():
             releases, lane.target_releases[replica] = lane.target_releases.get(replica, []), []
-            calls[replica] = (self._target_group(replica, prefills, verifies, releases), runs)
+            # A call whose sequences are not the last call's pays for the change: a joiner's
+            # past copied into the batch layout, a leaver's row run as a dummy or the layout
+            # rebuilt. A cost of arrivals and departures, not of the round a plan prices.
+            members = frozenset(item.seq_id for item in verifies)
+            changed = members != lane.members.get(replica)
+            lane.members[replica] = members
+            calls[replica] = (self._target_group(replica, prefills, verifies, releases, changed), runs)
         return calls
 
-    async def _target_group(self, replica, prefills, verifies, releases):
+    async def _target_group(self, replica, prefills, verifies, releases, changed: bool = False):
         started = time.perf_counter()
         results = await self.transport.target_step(replica, prefills, verifies, releases)
         if prefills or verifies:
             seconds = time.perf_counter() - started
             self.metrics.verify_call(seconds)
-            if self.draft_lengths is not None and verifies and not prefills:  # a prefill is not a verify's cost
+            # Calls with a prefill, or with other sequences than the last call's, teach the
+            # cost model nothing: what they cost beyond a round is not what a plan chooses.
+            if self.draft_lengths is not None and verifies and not prefills and not changed:
                 self.draft_lengths.verify_costs.observe([len(item.drafts) + 1 for item in verifies], seconds)
         return results, releases
 

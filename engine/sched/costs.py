@@ -134,6 +134,11 @@ def load_bucket(sequences: int) -> int:
 
 
 MIN_SLOPE, MAX_SLOPE = 0.5, 4.0  # real seconds per table second between plain and drafting calls
+OUTLIER = 2.0  # once a kind has MIN_KIND_CALLS samples, one counts as at most this many times what
+               # it predicts: one batch-1 drafting call ~25 ms slow (a hiccup of the machine),
+               # learnt whole, priced such calls at 6 ms against 3.5 ms, and with no drafting
+               # rounds after it nothing corrected that for the rest of the request
+OVERHEAD_FLOOR = 0.0005  # seconds: an overhead learnt near 0 may still grow by OUTLIER x this a sample
 MIN_KIND_CALLS, MIN_KIND_SHARE = 8, 0.05  # a kind of call rarer than this in its bucket is an odd one
     # (for a head that always drafts, a plain call is a sequence's first after its prefill, which
     # copies its past into the batch layout: at 32 streams it priced plain rounds 2.4x too dear)
@@ -192,7 +197,12 @@ class VerifyCostModel:
             return
         widest = max(widths)
         table = self.table.predict(len(widths), len(widths) * widest)
-        _learn(self.calls, (load_bucket(len(widths)), widest > 1), (table, seconds), self.smoothing)
+        key = (load_bucket(len(widths)), widest > 1)
+        seen = self.calls.get(key)
+        if seen is not None and seen[1] >= MIN_KIND_CALLS:
+            (mean_table, mean_real), _ = seen
+            seconds = min(seconds, OUTLIER * table * mean_real / mean_table)
+        _learn(self.calls, key, (table, seconds), self.smoothing)
 
     def observe_overhead(self, batch: int, seconds: float) -> None:
         """A round of ``batch`` sequences spent ``seconds`` outside its proposer and
@@ -201,7 +211,11 @@ class VerifyCostModel:
         learnt from every round: kept per kind, a drafting overhead inflated once (a
         round at the tail of a busy run) stopped drafting, and rounds without drafts
         never corrected it."""
-        _learn(self.overheads, load_bucket(batch), (seconds,), self.smoothing)
+        bucket = load_bucket(batch)
+        seen = self.overheads.get(bucket)
+        if seen is not None and seen[1] >= MIN_KIND_CALLS:
+            seconds = min(seconds, OUTLIER * max(seen[0][0], OVERHEAD_FLOOR))
+        _learn(self.overheads, bucket, (seconds,), self.smoothing)
 
 
 def _learn(values: dict, key, sample: tuple[float, ...], smoothing: float) -> None:
@@ -265,6 +279,7 @@ class DraftCostModel:
         if mode not in self.coefficients or n <= 0:
             return
         key = (mode, load_bucket(n))
+        seconds = min(seconds, OUTLIER * max(self.predict(mode, n, steps, draft_tokens), OVERHEAD_FLOOR))
         residual = seconds - self._table(mode, n, steps, draft_tokens)
         # From the table up, never from the first call: calls are only observed while a
         # mode drafts, so an overestimate stops the calls that would correct it. One slow

@@ -4,11 +4,18 @@ A draft costs target compute whether or not it is accepted. At batch 1 a verify 
 is memory-bound, so drafts are nearly free and k = k_max pays; at a large batch on a
 CPU the pass is compute-bound, every draft row costs about what a whole sequence's
 step costs, and a weak proposer loses to plain decoding. So each round the scheduler
-asks ``DraftLengthController.plan`` for every sequence's k in 0..k_max and maximises
-the expected committed tokens per second of the whole batch:
+asks ``DraftLengthController.plan`` for every sequence's k in 0..k_max and minimises
+the mean expected time per token over the batch's requests, T(plan) * mean_s 1 / E_s:
 
     E_s(k)  = 1 + sum_{i<=k} prod_{j<=i} alpha_s,j      (tokens sequence s commits)
     T(plan) = T_verify(batch, rows) + sum_mode T_draft(mode, steps)
+
+Every sequence in a call waits for the whole call, so drafting rows for some make the
+others slower; the mean time per token is what each request sees. Maximising the
+batch's tokens per second instead let a plan speed up the sequences that found drafts
+at the others' expense: prompt lookup and the draft model at 16 streams drafted for
+half a batch and ran at 0.93-0.95 of plain decoding, against 0.96-0.99 with this
+objective (same process, interleaved).
 
 ``alpha_s,j`` is the sequence's live acceptance of draft position j given the drafts
 before it were accepted, shrunk toward its mode's average while the sequence has few
@@ -33,12 +40,21 @@ MODE_DECAY = 0.995       # per recorded round: a mode's average follows the curr
 MIXED_PLAN_MARGIN = 0.05  # a plan between "no drafts" and "every maximum" must be predicted this much
                           # faster than the better of the two: the cost model is good to ~10 % here
 EXPLORE_EVERY = 32       # plans in a row in which a mode drafted short of its maximum before one
-                         # sequence drafts one position deeper ...
-EXPLORE_BATCH = 4        # ... times (sequences in the call / this) beyond it: in a large call one
-                         # exploring sequence costs the whole batch (a split verify, a layout
-                         # shuffled, a draft model's catch-up), and tells no more than in a small one
+                         # sequence drafts one position deeper, in a call of ...
+EXPLORE_BATCH = 4        # ... this many sequences; in proportion to the call's sequences otherwise: in
+                         # a large call one exploring sequence costs the whole batch (a split verify,
+                         # a layout shuffled, a draft model's catch-up) and tells no more than in a
+EXPLORE_MIN = 8          # small one; alone, it costs a head step and a free row, and a request of 48
+                         # tokens lasts ~25 rounds: waiting 32 plans, one unlucky start (position 2
+                         # rejected three times) kept a one-stream request at k = 1 to its end
 CATCH_UP_STEPS = 0.1     # a draft model's step-equivalents per token of catch-up: it feeds them in one
                          # pass (here: a step 0.37 ms, 10 tokens 0.58 ms, 40 tokens 1.52 ms)
+
+
+def explore_wait(sequences: int) -> float:
+    """Plans in a row short of a mode's maximum before one sequence of a call of
+    ``sequences`` explores one position deeper."""
+    return max(EXPLORE_MIN, EXPLORE_EVERY * sequences / EXPLORE_BATCH)
 
 
 @dataclass
@@ -114,7 +130,7 @@ class DraftLengthController:
         Every mode gets a cap K (tried exhaustively for up to two adaptive modes in the
         call, coordinate-wise beyond); under a cap, each sequence drafts while its next
         draft's expected tokens pay for the draft-model step it costs at the
-        batch's rate. The caps whose plan commits the most tokens per second win -- but a
+        batch's rate. The caps whose plan has the least mean time per token win -- but a
         plan between the two a user could pin (no drafts, every maximum) only when it is
         predicted ``MIXED_PLAN_MARGIN`` faster than the better of them: where the model
         cannot tell plans apart, doing what a pinned k does costs nothing. The target call
@@ -165,15 +181,16 @@ class DraftLengthController:
         return ks, self._rate(requests, alphas, ks) if pruned else rate
 
     def _rate(self, requests: Sequence[DraftRequest], alphas: list[list[float]], ks: list[int]) -> float:
-        """Expected committed tokens per second of a plan."""
-        expected, catch_up = 0.0, 0.0  # catch_up: seconds of draft models catching up first
+        """A plan's worth as tokens per second: the batch's size over its mean expected
+        time per token (sum_s E_s / T when every sequence commits alike)."""
+        inverse, catch_up = 0.0, 0.0  # catch_up: seconds of draft models catching up first
         drafting: dict[str, list[int]] = {}
         for r, a, k in zip(requests, alphas, ks):
-            reach = 1.0
-            expected += 1.0
+            reach = tokens = 1.0
             for j in range(k):
                 reach *= a[j]
-                expected += reach
+                tokens += reach
+            inverse += 1.0 / tokens
             if k > 0:
                 drafting.setdefault(r.mode, []).append(k)
                 catch_up += self._catch_up_s(r)
@@ -181,6 +198,7 @@ class DraftLengthController:
         seconds = self.verify_costs.predict(len(requests), rows) + catch_up
         for mode, counts in drafting.items():
             seconds += self.draft_costs.predict(mode, len(counts), max(counts), sum(counts))
+        expected = len(requests) ** 2 / inverse if inverse else 0.0
         return expected / seconds if seconds > 0 else float("inf")
 
     def _catch_up_s(self, r: DraftRequest) -> float:
@@ -192,7 +210,7 @@ class DraftLengthController:
 
     def _explore(self, requests: Sequence[DraftRequest], ks: list[int]) -> None:
         """Acceptance of draft position j is only measured in rounds that draft past it. A
-        mode whose plans have stopped short of its maximum for ``EXPLORE_EVERY`` plans in a
+        mode whose plans have stopped short of its maximum for ``explore_wait`` plans in a
         row gets one sequence drafting one position deeper (from 0: one draft), so its
         estimates follow the traffic (and recover from an unlucky start) instead of
         freezing at "not worth it". A draft model explored from 0 drafts one more round
@@ -216,7 +234,7 @@ class DraftLengthController:
                 self._idle_plans[mode] = 0  # some sequence drafts the deepest allowed: every position is judged
                 continue
             self._idle_plans[mode] = self._idle_plans.get(mode, 0) + 1
-            if self._idle_plans[mode] >= EXPLORE_EVERY * max(1.0, len(requests) / EXPLORE_BATCH):
+            if self._idle_plans[mode] >= explore_wait(len(requests)):
                 self._idle_plans[mode] = 0
                 deepest = max(short, key=lambda i: ks[i])
                 if ks[deepest] == 0:
