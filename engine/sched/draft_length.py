@@ -39,14 +39,15 @@ PRIOR_WEIGHT = 8.0       # rounds' worth of weight the mode average keeps in a s
 MODE_DECAY = 0.995       # per recorded round: a mode's average follows the current traffic
 MIXED_PLAN_MARGIN = 0.05  # a plan between "no drafts" and "every maximum" must be predicted this much
                           # faster than the better of the two: the cost model is good to ~10 % here
-EXPLORE_EVERY = 32       # plans in a row in which a mode drafted short of its maximum before one
-                         # sequence drafts one position deeper, in a call of ...
-EXPLORE_BATCH = 4        # ... this many sequences; in proportion to the call's sequences otherwise: in
-                         # a large call one exploring sequence costs the whole batch (a split verify,
-                         # a layout shuffled, a draft model's catch-up) and tells no more than in a
-EXPLORE_MIN = 8          # small one; alone, it costs a head step and a free row, and a request of 48
-                         # tokens lasts ~25 rounds: waiting 32 plans, one unlucky start (position 2
-                         # rejected three times) kept a one-stream request at k = 1 to its end
+# Exploration: after EXPLORE_EVERY plans in a row in which a mode drafted short of its
+# maximum, in a call of EXPLORE_BATCH sequences, one sequence drafts one position deeper;
+# in proportion to the call's sequences otherwise (``explore_wait``), but after at least
+# EXPLORE_MIN. In a large call one exploring sequence costs the whole batch (a split
+# verify, a layout shuffled, a draft model's catch-up) and tells no more than in a small
+# one. Alone it costs a head step and a free row, and a request of 48 tokens lasts ~25
+# rounds: waiting 32 plans, one unlucky start (position 2 rejected three times) kept a
+# one-stream request at k = 1 to its end.
+EXPLORE_EVERY, EXPLORE_BATCH, EXPLORE_MIN = 32, 4, 8
 CATCH_UP_STEPS = 0.1     # a draft model's step-equivalents per token of catch-up: it feeds them in one
                          # pass (here: a step 0.37 ms, 10 tokens 0.58 ms, 40 tokens 1.52 ms)
 
