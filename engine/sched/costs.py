@@ -279,8 +279,9 @@ class DraftCostModel:
         if mode not in self.coefficients or n <= 0:
             return
         key = (mode, load_bucket(n))
-        seconds = min(seconds, OUTLIER * max(self.predict(mode, n, steps, draft_tokens), OVERHEAD_FLOOR))
-        residual = seconds - self._table(mode, n, steps, draft_tokens)
+        table = self._table(mode, n, steps, draft_tokens)
+        seconds = min(seconds, OUTLIER * max(table + self.overhead.get(key, 0.0), OVERHEAD_FLOOR))
+        residual = seconds - table
         # From the table up, never from the first call: calls are only observed while a
         # mode drafts, so an overestimate stops the calls that would correct it. One slow
         # first call (a new shape's allocation planning, a busy moment: 4.2 ms over a
