@@ -159,6 +159,7 @@ def main() -> None:
     parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--lanes", type=int, default=2)
     parser.add_argument("--target-threads", type=int, default=None, help="target onnxruntime threads (server)")
+    parser.add_argument("--stream-interval", type=int, default=1, help="server: tokens per stream write")
     parser.add_argument("--port", type=int, default=8311)
     args = parser.parse_args()
     prompts = [p["prompt"] for p in json.loads((ROOT / "tests/data/heldout_prompts.json").read_text())]
@@ -182,7 +183,7 @@ def main() -> None:
 
     from cluster.local import serve_local, start_local_ray
     start_local_ray()
-    serve_local({"model_dir": "models", "engine": {
+    serve_local({"model_dir": "models", "stream_interval": args.stream_interval, "engine": {
         "device": "cpu", "intra_op_threads": args.target_threads, "scheduler": {"lanes": args.lanes},
         "speculative": {"default_mode": "auto"}}}, port=args.port)
     base = f"http://127.0.0.1:{args.port}"
@@ -203,7 +204,7 @@ def main() -> None:
     ray.shutdown()
 
     print(f"\n{args.new_tokens} new tokens per request, {args.requests_per_stream} requests per stream, lanes "
-          f"{args.lanes}; every distributed output token-identical to in-process: "
+          f"{args.lanes}, stream interval {args.stream_interval}; every distributed output token-identical to in-process: "
           f"{'yes' if mismatches == 0 else f'NO ({mismatches} differ)'}\n")
     print("| mode | streams | in-process tok/s | distributed tok/s | ratio | in-process TTFT / ITL ms "
           "| distributed TTFT / ITL ms |")

@@ -255,26 +255,18 @@ class Router:
                 raise _as_api_error(exc) from exc
             return shaper.full(driver)
         run.add_done_callback(lambda _: queue.put_nowait(None))
-        return StreamingResponse(self._stream(driver, run, queue, shaper), media_type="text/event-stream")
+        return StreamingResponse(self._stream(driver, run, queue, shaper, self.settings.stream_interval),
+                                 media_type="text/event-stream")
 
     @staticmethod
-    async def _stream(driver, run: asyncio.Future, queue: asyncio.Queue, shaper: ResponseShaper) -> AsyncIterator[str]:
+    async def _stream(driver, run: asyncio.Future, queue: asyncio.Queue, shaper: ResponseShaper,
+                      interval: int = 1) -> AsyncIterator[str]:
         """Forward committed tokens as they come; a client that disconnects cancels the request."""
         try:
             if opening := shaper.opening():
                 yield opening
-            finished = False
-            while not finished:
-                # A round commits several tokens at once: send them as one write, so a
-                # round costs one message to the HTTP proxy, not one per token.
-                events = [await queue.get()]
-                while not queue.empty():
-                    events.append(queue.get_nowait())
-                if events[-1] is None:
-                    finished = True
-                    events.pop()
-                if events:
-                    yield shaper.tokens(events)
+            async for events in token_writes(queue, interval):
+                yield shaper.tokens(events)
             failure = run.exception()
             yield shaper.error(_as_api_error(failure)) if failure is not None else shaper.closing(driver)
             yield SSE_DONE
@@ -308,6 +300,32 @@ def _as_api_error(exc: BaseException) -> ApiError:
         return ApiError(500, str(exc), type_="server_error")
     log.exception("request failed", exc_info=exc)
     return ApiError(500, f"internal error: {type(exc).__name__}", type_="server_error")
+
+
+async def token_writes(queue: asyncio.Queue, interval: int = 1) -> AsyncIterator[list[TokenEvent]]:
+    """Group a request's committed tokens (``None`` ends the queue) into stream writes.
+
+    A round commits several tokens at once and they go as one write, so a round costs one
+    message to the HTTP proxy, not one per token. With ``interval`` > 1 a write also waits
+    until it holds that many tokens (vLLM's ``--stream-interval``), except the first token,
+    which goes at once (time to first token is unchanged), and the last ones."""
+    sent = 0
+    while True:
+        events = [await queue.get()]
+        while True:
+            while not queue.empty():
+                events.append(queue.get_nowait())
+            if events[-1] is None or sent == 0 or len(events) >= interval:
+                break
+            events.append(await queue.get())
+        finished = events[-1] is None
+        if finished:
+            events.pop()
+        if events:
+            sent += len(events)
+            yield events
+        if finished:
+            return
 
 
 # The FastAPI routes above are methods of ``Router``; Serve's ingress wrapper binds them

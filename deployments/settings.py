@@ -29,6 +29,11 @@ class ServeSettings(BaseModel):
     api_key_env: str = Field("SPECSERVE_API_KEY", description="environment variable holding the API key; "
                              "unset or empty = no authentication. The key itself never goes in this config")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest accepted request body")
+    stream_interval: int = Field(1, ge=1, description=(
+        "stream a request's tokens in writes of at least this many (the first and the last go at once), as "
+        "vLLM's --stream-interval: 1 sends every round's tokens as they commit; more saves the router and "
+        "the HTTP proxy a message per round per request (measured here at 16 streams, target-only: 4 took "
+        "611-628 to 678-714 tokens/s)"))
 
     deployment_overrides: dict[str, dict] = Field(
         default_factory=dict, description="per-deployment Serve options for programmatic runs (tests, "

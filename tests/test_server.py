@@ -40,7 +40,8 @@ def metrics_url() -> str:
 @pytest.fixture(scope="module")
 def server(metrics_url):
     port = int(metrics_url.rsplit(":", 1)[1].split("/")[0])
-    with running_server(env={"SPECSERVE_API_KEY": API_KEY}, metrics_port=port,
+    # stream_interval 2: every stream here also checks that grouped writes lose and reorder nothing
+    with running_server({"stream_interval": 2}, env={"SPECSERVE_API_KEY": API_KEY}, metrics_port=port,
                         metrics_report_interval_ms=500) as url:
         yield url
 
