@@ -115,7 +115,7 @@ def snapshot(base_url: str, mode: str) -> dict[str, float]:
 
     status = json.loads(urlopen(f"{base_url}/specserve/status").read())
     target = serve.get_deployment_handle("TargetModel", "specserve").kv_usage.remote().result()
-    out = {"ticks": status["ticks"], "tick_s": status["mean_tick_ms"] * status["ticks"] / 1000,
+    out = {"ticks": status["ticks"], "rounds": status["sequence_rounds"], "tick_s": status["mean_tick_ms"] * status["ticks"] / 1000,
            "propose_s": status["mean_propose_ms"] * status["ticks"] / 1000,
            "target_s": status["mean_target_ms"] * status["ticks"] / 1000,
            "target_steps": target["steps"], "target_step_s": target["step_s"], "target_compute_s": target["compute_s"],
@@ -128,12 +128,13 @@ def snapshot(base_url: str, mode: str) -> dict[str, float]:
 
 
 def breakdown(before: dict, after: dict, round_ms: float) -> str:
-    """Per-round milliseconds at one stream (one sequence per tick)."""
+    """Per-round milliseconds at one stream (one sequence per tick; with plain_steps > 1 a
+    tick runs several of its rounds, and its costs are spread over them)."""
     d = {k: after[k] - before[k] for k in after}
-    ticks = max(d["ticks"], 1)
+    rounds = max(d["rounds"], 1)
 
     def ms(seconds: float) -> float:
-        return 1000 * seconds / ticks
+        return 1000 * seconds / rounds
 
     tick = ms(d["tick_s"])
     parts = [f"round {round_ms:.1f} ms = outside the tick (HTTP/SSE, router loop) {round_ms - tick:.1f}",
@@ -160,12 +161,15 @@ def main() -> None:
     parser.add_argument("--lanes", type=int, default=2)
     parser.add_argument("--target-threads", type=int, default=None, help="target onnxruntime threads (server)")
     parser.add_argument("--stream-interval", type=int, default=1, help="server: tokens per stream write")
+    parser.add_argument("--plain-steps", type=int, default=None,
+                        help="scheduler.plain_steps on both sides (default: the engine's)")
     parser.add_argument("--port", type=int, default=8311)
     args = parser.parse_args()
     prompts = [p["prompt"] for p in json.loads((ROOT / "tests/data/heldout_prompts.json").read_text())]
     used = {prompts[i % len(prompts)] for i in range(max(args.streams) * args.requests_per_stream)}
 
-    engine = Engine(ROOT / "models", EngineConfig(device="cpu"))
+    scheduler = {} if args.plain_steps is None else {"plain_steps": args.plain_steps}
+    engine = Engine(ROOT / "models", EngineConfig(device="cpu", scheduler=scheduler))
     local, expected, solo = {}, {}, {}
     for mode in args.modes:
         run_local = in_process_runner(engine, GenerationOptions(max_new_tokens=args.new_tokens, ignore_eos=True,
@@ -175,6 +179,7 @@ def main() -> None:
         expected[mode] = {p: run_local(p).token_ids for p in used}
         solo[mode] = statistics.mean(len(r.token_ids) / (r.stamps[-1] - r.started)
                                      for r in local[mode][1].results) if 1 in args.streams else None
+    engine_plain_steps = engine.config.scheduler.plain_steps
     engine.close()  # stop its loop thread before the server takes the cores
     del engine
 
@@ -184,7 +189,7 @@ def main() -> None:
     from cluster.local import serve_local, start_local_ray
     start_local_ray()
     serve_local({"model_dir": "models", "stream_interval": args.stream_interval, "engine": {
-        "device": "cpu", "intra_op_threads": args.target_threads, "scheduler": {"lanes": args.lanes},
+        "device": "cpu", "intra_op_threads": args.target_threads, "scheduler": {"lanes": args.lanes, **scheduler},
         "speculative": {"default_mode": "auto"}}}, port=args.port)
     base = f"http://127.0.0.1:{args.port}"
     remote, breakdowns, mismatches = {}, {}, 0
@@ -204,7 +209,8 @@ def main() -> None:
     ray.shutdown()
 
     print(f"\n{args.new_tokens} new tokens per request, {args.requests_per_stream} requests per stream, lanes "
-          f"{args.lanes}, stream interval {args.stream_interval}; every distributed output token-identical to in-process: "
+          f"{args.lanes}, stream interval {args.stream_interval}, plain steps "
+          f"{engine_plain_steps}; every distributed output token-identical to in-process: "
           f"{'yes' if mismatches == 0 else f'NO ({mismatches} differ)'}\n")
     print("| mode | streams | in-process tok/s | distributed tok/s | ratio | in-process TTFT / ITL ms "
           "| distributed TTFT / ITL ms |")

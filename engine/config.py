@@ -31,8 +31,9 @@ class SpeculativeConfig(BaseModel):
     num_speculative_tokens: int = Field(4, ge=1, le=MAX_SPECULATIVE_TOKENS, description=(
         "most drafts per round (a request may ask for another maximum)"))
     adaptive: bool = Field(True, description=(
-        "pick each round's draft count per sequence (0..the maximum) to maximise the batch's expected tokens/s "
-        "from live acceptance and measured verify/draft costs; False drafts the maximum every round"))
+        "pick each round's draft count per sequence (0..the maximum) to minimise the expected time per token "
+        "over the batch's requests, from live acceptance and measured verify/draft costs; False drafts the "
+        "maximum every round"))
     load: tuple[SpeculativeMode, ...] | None = Field(
         None, description="proposers to load (in-process) or deploy (server); None = every one the bundle provides")
     prompt_lookup_ngram: int = Field(3, ge=1)
@@ -53,6 +54,11 @@ class SchedulerConfig(BaseModel):
         "a proposer call slower than this is abandoned; its rounds go without drafts"))
     proposer_backoff_s: float = Field(1.0, ge=0, description=(
         "after a proposer failure or timeout, its mode's rounds go without drafts for this long"))
+    plain_steps: int = Field(8, ge=1, le=64, description=(
+        "target passes per target call when every sequence in the call is target-only (vLLM's "
+        "num_scheduler_steps): the worker feeds its own tokens, so the round's bookkeeping (and, on the "
+        "server, its hop) is paid once per this many tokens; tokens then stream in bursts, and a stop string "
+        "wastes at most this many - 1 passes"))
 
 
 class EngineConfig(BaseModel):

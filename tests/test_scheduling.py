@@ -307,3 +307,73 @@ def test_modes_defaults_and_reservations_are_decided_in_one_place(bundle_engine)
     with pytest.raises(ModelLoadError, match="full-attention KV cache"):
         factory(["eagle3"], sliding_window=64, speculative=SpeculativeConfig(default_mode="eagle3", adaptive=False))
     assert "full-attention" in WINDOW_REFUSAL
+
+
+def _plain_steps_config(steps: int, load=()) -> EngineConfig:
+    return CPU_CONFIG.model_copy(update={"scheduler": CPU_CONFIG.scheduler.model_copy(update={"plain_steps": steps}),
+                                         "speculative": SpeculativeConfig(load=load, adaptive=False)})
+
+
+def test_target_only_rounds_run_several_to_a_call_and_give_the_same_tokens(heldout_prompts, make_engine):
+    """``plain_steps``: a target-only sequence's target call runs up to that many rounds,
+    each feeding the token the last chose. Whatever ends a request -- its budget, a stop
+    string, end of sequence, the context -- and however it samples, every token, logprob
+    and finish reason is what one round per call gives, and every block comes back."""
+    one, four = make_engine(TARGET_DIR, _plain_steps_config(1)), make_engine(TARGET_DIR, _plain_steps_config(4))
+    near_the_end = list(range(5, 5 + one.target.max_context - 6))  # room for 6 tokens only
+    jobs = [(heldout_prompts[0], GenerationOptions(max_new_tokens=13, ignore_eos=True)),
+            (heldout_prompts[1], GenerationOptions(max_new_tokens=40)),
+            (heldout_prompts[2], GenerationOptions(max_new_tokens=30, stop=["e"])),
+            (heldout_prompts[3], GenerationOptions(max_new_tokens=37, temperature=0.9, seed=11, logprobs=True,
+                                                   top_logprobs=2)),
+            (near_the_end, GenerationOptions(max_new_tokens=20, ignore_eos=True))]
+
+    def outputs(engine):
+        results = generate_concurrently(engine, jobs)
+        return ([(r.token_ids, r.text, r.finish_reason, [lp.token for lp in r.logprobs or ()]) for r in results],
+                [lp.logprob for r in results for lp in r.logprobs or ()])
+
+    expected, expected_logprobs = outputs(one)
+    assert {e[2] for e in expected} >= {"length", "stop"}  # the cases really end differently
+    got, logprobs = outputs(four)
+    assert got == expected
+    # batches of other shapes round differently in the last bits
+    assert logprobs == pytest.approx(expected_logprobs, abs=1e-4) and len(logprobs) == 37
+
+    calls: list[list[int]] = []
+    real = four.transport.target_step
+
+    async def target_step(replica, prefills, verifies, releases):
+        if verifies:
+            calls.append([item.steps for item in verifies])
+        return await real(replica, prefills, verifies, releases)
+
+    four.transport.target_step = target_step
+    result = four.generate(*jobs[0])
+    assert result.speculative.verification_steps == 12  # 13 tokens: the prefill's, then 12 rounds
+    assert calls == [[4], [4], [4]]  # in three target calls
+    assert_everything_released(four)
+
+
+def test_a_call_with_a_drafting_sequence_runs_one_round_each(heldout_prompts, make_engine, monkeypatch):
+    """Several plain rounds per call only where every sequence in it is target-only: a
+    drafting sequence must not wait for another's extra rounds."""
+    engine = make_engine(MODELS, _plain_steps_config(4, load=("eagle3",)))
+    steps: list[tuple[str, ...]] = []
+    real = engine.transport.target_step
+
+    async def target_step(replica, prefills, verifies, releases):
+        if verifies:
+            steps.append(tuple(sorted(f"{item.steps}{'d' if item.drafts else ''}" for item in verifies)))
+        return await real(replica, prefills, verifies, releases)
+
+    monkeypatch.setattr(engine.transport, "target_step", target_step)
+    jobs = [(heldout_prompts[4], GenerationOptions(max_new_tokens=24, ignore_eos=True, speculative_mode=mode))
+            for mode in ("none", "eagle3")]
+    solo = [engine.generate(*job).token_ids for job in jobs]
+    steps.clear()
+    assert [r.token_ids for r in generate_concurrently(engine, jobs)] == solo
+    together = [s for s in steps if len(s) == 2]
+    assert together and all(s in (("1", "1d"), ("1", "1")) for s in together), together
+    assert ("4",) in steps  # alone, the target-only sequence ran four rounds a call
+    assert_everything_released(engine)

@@ -101,6 +101,7 @@ class _Lane:
     task: asyncio.Task | None = None
     ticking: bool = False  # releases are in flight inside a tick
     members: dict[str, frozenset] = field(default_factory=dict)  # target replica -> its last call's sequences
+    several_rounds: bool = False  # this tick's target calls run several rounds a sequence (``plain_steps``)
 
     @property
     def has_work(self) -> bool:
@@ -250,7 +251,7 @@ class RoundCoordinator:
             if run.driver.finished:
                 self._retire(lane, run)
         finished = time.perf_counter()
-        if self.draft_lengths is not None and decoding and not prefilling:
+        if self.draft_lengths is not None and decoding and not prefilling and not lane.several_rounds:
             self.draft_lengths.verify_costs.observe_overhead(len(decoding), finished - started - in_calls)
         t = self.timings
         t.ticks, t.rounds = t.ticks + 1, t.rounds + len(prefilling) + len(decoding)
@@ -404,9 +405,14 @@ class RoundCoordinator:
             prefills, _, runs = groups.setdefault(run.grant.replica, ([], [], []))
             prefills.append(run.driver.prefill_item(run.grant.blocks))
             runs.append(run)
+        plain_only = {run.grant.replica for run in decoding} - {run.grant.replica for run in decoding
+                                                                 if run.driver.mode != "none"}
+        lane.several_rounds = bool(plain_only) and self.config.plain_steps > 1
         for run in decoding:
             _, verifies, runs = groups.setdefault(run.grant.replica, ([], [], []))
-            verifies.append(run.driver.verify_item())
+            # Several plain rounds per call only where every sequence is target-only: a
+            # drafting sequence would wait for the others' extra rounds.
+            verifies.append(run.driver.verify_item(self.config.plain_steps if run.grant.replica in plain_only else 1))
             runs.append(run)
         for replica, releases in lane.target_releases.items():
             if releases:
@@ -431,7 +437,8 @@ class RoundCoordinator:
             self.metrics.verify_call(seconds)
             # Calls with a prefill, or with other sequences than the last call's, teach the
             # cost model nothing: what they cost beyond a round is not what a plan chooses.
-            if self.draft_lengths is not None and verifies and not prefills and not changed:
+            if self.draft_lengths is not None and verifies and not prefills and not changed \
+                    and all(item.steps == 1 for item in verifies):
                 self.draft_lengths.verify_costs.observe([len(item.drafts) + 1 for item in verifies], seconds)
         return results, releases
 
@@ -455,11 +462,12 @@ class RoundCoordinator:
                 self._retire(lane, run, RequestFailedError(result.error))
             else:
                 try:
-                    verified = run.driver.complete(result.outcome, result.outcome.anchor)
+                    rounds = run.driver.complete(result.outcome, result.outcome.anchor, result.more)
                 except Exception as exc:  # noqa: BLE001 - e.g. a streaming consumer that went away
                     self._retire(lane, run, exc)
                     continue
-                if verified is not None:
+                self.timings.rounds += len(rounds) - 1 if rounds else 0  # the tick counted one
+                for verified in rounds:
                     self.metrics.verify_round(run.driver.mode, *verified)
                     if self.draft_lengths is not None:
                         self.draft_lengths.acceptance.record(run.driver.seq_id, run.driver.mode, verified.drafts,

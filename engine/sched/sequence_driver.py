@@ -142,27 +142,39 @@ class SequenceDriver:
             return
         self._drafts, self._probs = list(result.tokens), result.probs
 
-    def verify_item(self) -> VerifyItem:
-        return VerifyItem(self.seq_id, list(self._drafts), self._probs)
+    def verify_item(self, plain_steps: int = 1) -> VerifyItem:
+        """This round's verify message. ``plain_steps`` > 1 asks the target for that many
+        plain rounds back to back, within the request's budget (target-only requests:
+        their rounds never draft, so the target can feed its own tokens)."""
+        steps = draft_width(self.state, plain_steps - 1) if plain_steps > 1 and self.mode == "none" else 1
+        return VerifyItem(self.seq_id, list(self._drafts), self._probs, steps)
 
     # -- what came back ------------------------------------------------------------------
-    def complete(self, outcome: RoundOutcome, anchor: Any) -> VerifiedRound | None:
-        """Commit a round's (or the prefill's) outcome; returns what a verify round did
-        (None for a prefill or a resume), for the coordinator's metrics."""
+    def complete(self, outcome: RoundOutcome, anchor: Any, more: Sequence[RoundOutcome] = ()) -> list[VerifiedRound]:
+        """Commit a round's (or the prefill's) outcome, then the plain rounds that followed
+        it in the same target call (``more``), until the request finishes; returns what
+        each verify round did (nothing for a prefill or a resume), for the metrics."""
         self.anchor = anchor
         if self.resuming:
             self.resuming = False
-            return None
+            return []
         committed = commit_outcome(self.state, outcome)
         if not self.prefilled:
             self.prefilled = True
-            return None
+            return []
         record_round(self.stats, len(self._drafts), outcome.accepted, committed)
         self._last_accepted = outcome.accepted
         if self.local_proposer is not None:
             self.local_proposer.accept(AcceptContext(outcome.accepted, outcome.tokens[:committed],
                                                      list(self.state.tokens)))
-        return VerifiedRound(len(self._drafts), outcome.accepted, committed)
+        rounds = [VerifiedRound(len(self._drafts), outcome.accepted, committed)]
+        for step in more:  # target-only rounds: no drafts, no proposer
+            if self.finished:
+                break
+            committed = commit_outcome(self.state, step)
+            record_round(self.stats, 0, 0, committed)
+            rounds.append(VerifiedRound(0, 0, committed))
+        return rounds
 
     def lost_target(self) -> None:
         """The target holding this sequence's KV is gone: re-prefill what is committed."""

@@ -52,12 +52,14 @@ class VerifyItem:
     seq_id: Hashable
     drafts: list[int]
     probs: Any = None            # draft distribution [k, V] (or an object-store reference to it)
+    steps: int = 1               # plain rounds to run back to back (no drafts only): see ``_more_steps``
 
 
 @dataclass(frozen=True)
 class TargetResult:
     seq_id: Hashable
     outcome: RoundOutcome | None  # None on error
+    more: tuple[RoundOutcome, ...] = ()  # the plain rounds that followed it in the same call
     kv_length: int = 0            # tokens in the sequence's KV after the round
     error: str | None = None
     unknown_sequence: bool = False  # this target does not hold the sequence: re-prefill it
@@ -140,25 +142,70 @@ class TargetWorker:
         known = [i for i in items if i.seq_id in self._seqs]
         results = {i.seq_id: TargetResult(i.seq_id, None, error="sequence is not on this target replica",
                                           unknown_sequence=True) for i in items if i.seq_id not in self._seqs}
+        for seq_id, outcome in self._rounds(known, self._feed_grouped).items():
+            results[seq_id] = (TargetResult(seq_id, None, error=_describe(outcome)) if isinstance(outcome, Exception)
+                               else self._result(seq_id, self._seqs[seq_id], outcome))
+        self._more_steps([i for i in known if i.steps > 1 and not i.drafts and results[i.seq_id].error is None],
+                         results)
+        return [results[i.seq_id] for i in items]
+
+    def _rounds(self, items: list[VerifyItem], feed) -> dict[Hashable, RoundOutcome | Exception]:
+        """One round for each of these sequences, in one batched call (``feed``) or, if
+        that fails, one by one: a sequence that still fails is released and gets its
+        exception, and the others are unaffected."""
         requests = [FeedRequest(i.seq_id, [self._seqs[i.seq_id].tokens[-1], *i.drafts],
-                                len(self._seqs[i.seq_id].tokens) - 1) for i in known]
+                                len(self._seqs[i.seq_id].tokens) - 1) for i in items]
         try:
-            outputs = self._feed_grouped(requests)
+            outputs = feed(requests)
         except Exception:  # noqa: BLE001 - isolate the sequence that broke the batch
             log.exception("batched verify of %d sequences failed; retrying one by one", len(requests))
             outputs = None
-        for n, item in enumerate(known):
+        done: dict[Hashable, RoundOutcome | Exception] = {}
+        for n, item in enumerate(items):
             seq = self._seqs[item.seq_id]
             try:
                 out = outputs[n] if outputs is not None else self.target.feed_batch([requests[n]])[0]
                 outcome = verify_on_target(self.target, item.seq_id, out, list(item.drafts), item.probs,
                                            seq.tokens, seq.options, seq.rng, seq.needs)
-                seq.tokens.extend(outcome.tokens)
-                results[item.seq_id] = self._result(item.seq_id, seq, outcome)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - reported to the one request it belongs to
                 self.release([item.seq_id])
-                results[item.seq_id] = TargetResult(item.seq_id, None, error=_describe(exc))
-        return [results[i.seq_id] for i in items]
+                done[item.seq_id] = exc
+                continue
+            seq.tokens.extend(outcome.tokens)
+            done[item.seq_id] = outcome
+        return done
+
+    def _more_steps(self, items: list[VerifyItem], results: dict[Hashable, TargetResult]) -> None:
+        """Run ``steps - 1`` more plain rounds for these sequences, each feeding the token
+        the last one chose, as a batch while any is left -- so that the caller's per-round
+        work (and, over a network, its hop) is paid once per call, not per token.
+
+        Each is an ordinary round of the sequence (``verify_on_target`` with no drafts:
+        same sampling, same random draws, in the same order), so the tokens are those the
+        rounds would have given one call at a time. The caller bounds ``steps`` by the
+        sequence's budget, so the KV never outgrows its grant; a sequence stops early at
+        an end-of-sequence token (stop strings are the caller's: what it does not commit,
+        it releases with the sequence). A sequence whose round fails gets the error, as
+        in ``_verify``."""
+        more: dict[Hashable, list[RoundOutcome]] = {i.seq_id: [] for i in items}
+        left = {i.seq_id: i.steps - 1 for i in items}
+        eos = set(self.target.eos_token_ids)
+        while going := [i for i in items if left[i.seq_id] > 0]:
+            for seq_id, outcome in self._rounds(going, self.target.feed_batch).items():
+                if isinstance(outcome, Exception):
+                    results[seq_id] = TargetResult(seq_id, None, error=_describe(outcome))
+                    more.pop(seq_id)
+                    left[seq_id] = 0
+                    continue
+                more[seq_id].append(outcome)
+                left[seq_id] -= 1
+                if not self._seqs[seq_id].options.ignore_eos and outcome.tokens[-1] in eos:
+                    left[seq_id] = 0
+        for seq_id, outcomes in more.items():
+            if outcomes:
+                seq = self._seqs[seq_id]
+                results[seq_id] = dataclasses.replace(self._result(seq_id, seq, outcomes[-1]),
+                                                      outcome=results[seq_id].outcome, more=tuple(outcomes))
 
     def _feed_grouped(self, requests: list[FeedRequest]) -> list:
         """One padded call, or the sequences without drafts apart from those with them,
