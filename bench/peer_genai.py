@@ -14,7 +14,9 @@ prefill is included.
 
 Also printed, per mode, the bound ``tau * t_step / (t_verify + k * t_head)`` as a speed
 over specserve target-only (from step costs measured here), and the engine's per-token
-time against the raw onnxruntime session call of one decode step at the same past.
+time against the raw onnxruntime session call of one decode step at the same past, and
+against a bare greedy loop over the same session (each call's presents fed back), both
+measured right after each target-only run.
 """
 from __future__ import annotations
 
@@ -107,6 +109,33 @@ def raw_step_ms(engine: Engine, past_len: int, runs: int = 200) -> float:
     return statistics.median(times) * 1000
 
 
+def bare_loop_ms(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
+    """Mean ms per decode token of the plainest greedy loop over the engine's session:
+    prefill, then ``session.run`` on one token at a time, feeding each call's presents
+    back as the next past -- what any decoder must do with this graph (the past grows by
+    a token a call), with no scheduler, KV cache or streaming."""
+    decoder = engine.target.decoder
+    session, io = decoder.session, decoder.io
+    names = [o.name for o in session.get_outputs()]
+    keys, values = [names.index(n) for n in io.present_keys], [names.index(n) for n in io.present_values]
+    seconds, tokens = 0.0, 0
+    for prompt in prompts:
+        feed = {io.input_ids: np.array([prompt], np.int64), io.attention_mask: np.ones((1, len(prompt)), np.int64),
+                io.position_ids: np.arange(len(prompt))[None]}
+        for name, geometry in zip((*io.past_keys, *io.past_values), decoder.layers * 2):
+            feed[name] = np.zeros((1, geometry.num_kv_heads, 0, geometry.head_dim), np.float32)
+        out, past = session.run(names, feed), len(prompt)
+        started = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            feed = {io.input_ids: np.array([[int(np.argmax(out[0][0, -1]))]], np.int64),
+                    io.attention_mask: np.ones((1, past + 1), np.int64), io.position_ids: np.array([[past]], np.int64)}
+            feed.update(zip(io.past_keys, (out[i] for i in keys)))
+            feed.update(zip(io.past_values, (out[i] for i in values)))
+            out, past = session.run(names, feed), past + 1
+        seconds, tokens = seconds + time.perf_counter() - started, tokens + new_tokens - 1
+    return 1000 * seconds / tokens
+
+
 def verify_ms(engine: Engine, ids: list[int], width: int, runs: int = 100) -> float:
     """Median ms of one engine verify pass of ``width`` tokens (feed + rewind)."""
     target = engine.target
@@ -145,6 +174,7 @@ def main() -> None:
     taus: dict[str, list[float]] = {m: [] for m in modes}
     per_token: list[float] = []
     raw_steps: list[float] = []
+    bare_loops: list[float] = []  # ms per token of a bare greedy loop, right after each target-only run
     mean_past = int(np.mean([len(p) for p in prompts])) + args.new_tokens // 2
     outputs: dict[str, list[list[int]]] = {}
     for _ in range(args.repeats):
@@ -159,6 +189,7 @@ def main() -> None:
                 # The bare call right after the engine's run: this VM drifts 10-25 % within
                 # minutes, so a raw figure taken at another time makes the ratio noise.
                 raw_steps.append(raw_step_ms(engine, mean_past, runs=100))
+                bare_loops.append(bare_loop_ms(engine, prompts, args.new_tokens))
     peer.close()
 
     costs = step_costs(engine, texts[0])
@@ -183,6 +214,10 @@ def main() -> None:
     print(f"target-only per token: engine {engine_ms:.2f} ms vs raw session call {raw:.2f} ms "
           f"(1-token step, past {mean_past}, measured right after each target-only run): "
           f"{statistics.median(ratios):.2f}x (median of per-run ratios {', '.join(f'{x:.2f}' for x in ratios)})")
+    loops = sorted(1000 * e / b for e, b in zip(per_token, bare_loops))
+    print(f"  and vs a bare greedy loop of session.run feeding its presents back (past growing): "
+          f"{statistics.median(bare_loops):.2f} ms, {statistics.median(loops):.2f}x "
+          f"(per run {', '.join(f'{x:.2f}' for x in loops)})")
     print(f"step costs (ms): target step {t_step:.2f}, verify of {k + 1} {t_verify:.2f}, " + ", ".join(
         f"{m} {v:.2f}" for m, v in costs.items() if m != "target"))
     engine.close()
