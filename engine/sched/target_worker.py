@@ -25,7 +25,7 @@ from engine.model.cached_decoder import CachedDecoder, FeedRequest
 from engine.sched.costs import VerifyCostTable, measure_verify_costs, verify_groups
 from engine.errors import EngineError
 from engine.options import GenerationOptions
-from engine.spec.proposers.base import Needs
+from engine.spec.proposers.base import NO_NEEDS, Needs
 from engine.spec.proposers.shared_kv import shared_kv_slices
 from engine.spec.rounds import Anchor, RoundOutcome, verify_on_target
 
@@ -52,7 +52,7 @@ class VerifyItem:
     seq_id: Hashable
     drafts: list[int]
     probs: Any = None            # draft distribution [k, V] (or an object-store reference to it)
-    steps: int = 1               # plain rounds to run back to back (no drafts only): see ``_more_steps``
+    steps: int = 1               # plain rounds to run back to back (target-only sequences): ``_more_steps``
 
 
 @dataclass(frozen=True)
@@ -145,8 +145,10 @@ class TargetWorker:
         for seq_id, outcome in self._rounds(known, self._feed_grouped).items():
             results[seq_id] = (TargetResult(seq_id, None, error=_describe(outcome)) if isinstance(outcome, Exception)
                                else self._result(seq_id, self._seqs[seq_id], outcome))
-        self._more_steps([i for i in known if i.steps > 1 and not i.drafts and results[i.seq_id].error is None],
-                         results)
+        # Only for sequences that hand nothing to a proposer: the rounds after the first
+        # would leave it an anchor the caller never sees.
+        self._more_steps([i for i in known if i.steps > 1 and not i.drafts and results[i.seq_id].error is None
+                          and self._seqs[i.seq_id].needs == NO_NEEDS], results)
         return [results[i.seq_id] for i in items]
 
     def _rounds(self, items: list[VerifyItem], feed) -> dict[Hashable, RoundOutcome | Exception]:
