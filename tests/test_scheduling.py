@@ -321,6 +321,11 @@ def test_target_only_rounds_run_several_to_a_call_and_give_the_same_tokens(heldo
     and finish reason is what one round per call gives, and every block comes back."""
     one, four = make_engine(TARGET_DIR, _plain_steps_config(1)), make_engine(TARGET_DIR, _plain_steps_config(4))
     near_the_end = list(range(5, 5 + one.target.max_context - 6))  # room for 6 tokens only
+    # The bundled model never ends a text by itself: declare the 6th token it writes
+    # after prompt 1 its end-of-sequence token, so that request ends mid-call.
+    end = one.generate(heldout_prompts[1], GenerationOptions(max_new_tokens=8, ignore_eos=True)).token_ids[5]
+    for engine in (one, four):
+        engine.target.eos_token_ids = engine.factory.eos_token_ids = (end,)
     jobs = [(heldout_prompts[0], GenerationOptions(max_new_tokens=13, ignore_eos=True)),
             (heldout_prompts[1], GenerationOptions(max_new_tokens=40)),
             (heldout_prompts[2], GenerationOptions(max_new_tokens=30, stop=["e"])),
@@ -335,6 +340,7 @@ def test_target_only_rounds_run_several_to_a_call_and_give_the_same_tokens(heldo
 
     expected, expected_logprobs = outputs(one)
     assert {e[2] for e in expected} >= {"length", "stop"}  # the cases really end differently
+    assert expected[1][2] == "stop" and expected[1][0][-1] == end and len(expected[1][0]) == 6
     got, logprobs = outputs(four)
     assert got == expected
     # batches of other shapes round differently in the last bits

@@ -189,9 +189,13 @@ class TargetWorker:
         an end-of-sequence token (stop strings are the caller's: what it does not commit,
         it releases with the sequence). A sequence whose round fails gets the error, as
         in ``_verify``."""
-        more: dict[Hashable, list[RoundOutcome]] = {i.seq_id: [] for i in items}
-        left = {i.seq_id: i.steps - 1 for i in items}
         eos = set(self.target.eos_token_ids)
+
+        def ended(seq_id: Hashable, outcome: RoundOutcome) -> bool:
+            return not self._seqs[seq_id].options.ignore_eos and outcome.tokens[-1] in eos
+
+        more: dict[Hashable, list[RoundOutcome]] = {i.seq_id: [] for i in items}
+        left = {i.seq_id: 0 if ended(i.seq_id, results[i.seq_id].outcome) else i.steps - 1 for i in items}
         while going := [i for i in items if left[i.seq_id] > 0]:
             for seq_id, outcome in self._rounds(going, self.target.feed_batch).items():
                 if isinstance(outcome, Exception):
@@ -200,9 +204,7 @@ class TargetWorker:
                     left[seq_id] = 0
                     continue
                 more[seq_id].append(outcome)
-                left[seq_id] -= 1
-                if not self._seqs[seq_id].options.ignore_eos and outcome.tokens[-1] in eos:
-                    left[seq_id] = 0
+                left[seq_id] = 0 if ended(seq_id, outcome) else left[seq_id] - 1
         for seq_id, outcomes in more.items():
             if outcomes:
                 seq = self._seqs[seq_id]
