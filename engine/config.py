@@ -55,8 +55,9 @@ class SchedulerConfig(BaseModel):
     proposer_backoff_s: float = Field(1.0, ge=0, description=(
         "after a proposer failure or timeout, its mode's rounds go without drafts for this long"))
     plain_steps: int = Field(8, ge=1, le=64, description=(
-        "target passes per target call when every sequence in the call is target-only (vLLM's "
-        "num_scheduler_steps): the worker feeds its own tokens, so the round's bookkeeping (and, on the "
+        "most rounds a target call runs back to back when it has no drafts (vLLM's num_scheduler_steps): "
+        "always when every sequence in it is target-only, and when an adaptive plan drafts nothing and prices "
+        "this cheaper than drafting. The worker feeds its own tokens, so a round's bookkeeping (and, on the "
         "server, its hop) is paid once per this many tokens; tokens then stream in bursts, and a stop string "
         "wastes at most this many - 1 passes"))
 

@@ -282,25 +282,34 @@ class RoundCoordinator:
         adaptive = [run for run in decoding if run.driver.adaptive]
         if adaptive and self.draft_lengths is None:
             self.draft_lengths = DraftLengthController(VerifyCostModel(await self.transport.verify_costs()),
-                                                       DraftCostModel(BATCHED_MODES))
+                                                       DraftCostModel(BATCHED_MODES),
+                                                       plain_steps=self.config.plain_steps)
         for mode in {run.driver.mode for run in adaptive if run.driver.remote_proposer} - self._costed_modes:
             self._costed_modes.add(mode)
             self.draft_lengths.draft_costs.add(mode, await self.transport.draft_costs(mode))
         for run in decoding:
             driver = run.driver
             driver.round_drafts = driver.max_drafts() if driver.local_proposer is None else driver.drafted
-        if not adaptive:
-            return  # every round drafts its maximum: nothing to plan
+            driver.round_steps = 1
         calls: dict[str, list[_Run]] = defaultdict(list)
         for run in decoding:
             calls[run.grant.replica].append(run)
         for runs in calls.values():
-            if not any(run.driver.adaptive for run in runs):
+            if all(run.driver.mode == "none" for run in runs):
+                # Target-only rounds have nothing to wait for: several to a call. Never
+                # in a call with a drafting sequence, which would wait for the others'.
+                for run in runs:
+                    run.driver.round_steps = self.config.plain_steps
                 continue
+            if not any(run.driver.adaptive for run in runs):
+                continue  # every round drafts its maximum: nothing to plan
             requests = [DraftRequest(r.driver.seq_id, r.driver.mode, r.driver.round_drafts, r.driver.adaptive,
                                      r.driver.catch_up) for r in runs]
-            for run, k in zip(runs, self.draft_lengths.plan(requests)):
-                run.driver.round_drafts = k
+            self.draft_lengths.last_steps = 1
+            ks = self.draft_lengths.plan(requests)
+            steps = 1 if any(ks) else self.draft_lengths.last_steps  # a plan without drafts may run several
+            for run, k in zip(runs, ks):
+                run.driver.round_drafts, run.driver.round_steps = k, steps
                 if run.driver.local_proposer is not None:
                     run.driver.keep_drafts(k)
                 if run.driver.adaptive:
@@ -405,14 +414,10 @@ class RoundCoordinator:
             prefills, _, runs = groups.setdefault(run.grant.replica, ([], [], []))
             prefills.append(run.driver.prefill_item(run.grant.blocks))
             runs.append(run)
-        plain_only = {run.grant.replica for run in decoding} - {run.grant.replica for run in decoding
-                                                                 if run.driver.mode != "none"}
-        lane.several_rounds = bool(plain_only) and self.config.plain_steps > 1
+        lane.several_rounds = any(run.driver.round_steps > 1 for run in decoding)
         for run in decoding:
             _, verifies, runs = groups.setdefault(run.grant.replica, ([], [], []))
-            # Several plain rounds per call only where every sequence is target-only: a
-            # drafting sequence would wait for the others' extra rounds.
-            verifies.append(run.driver.verify_item(self.config.plain_steps if run.grant.replica in plain_only else 1))
+            verifies.append(run.driver.verify_item())
             runs.append(run)
         for replica, releases in lane.target_releases.items():
             if releases:
@@ -437,9 +442,10 @@ class RoundCoordinator:
             self.metrics.verify_call(seconds)
             # Calls with a prefill, or with other sequences than the last call's, teach the
             # cost model nothing: what they cost beyond a round is not what a plan chooses.
-            if self.draft_lengths is not None and verifies and not prefills and not changed \
-                    and all(item.steps == 1 for item in verifies):
-                self.draft_lengths.verify_costs.observe([len(item.drafts) + 1 for item in verifies], seconds)
+            steps = {item.steps for item in verifies}  # several plain rounds: all alike, or cut short
+            if self.draft_lengths is not None and verifies and not prefills and not changed and len(steps) == 1:
+                self.draft_lengths.verify_costs.observe([len(item.drafts) + 1 for item in verifies], seconds,
+                                                        steps.pop())
         return results, releases
 
     def _take_target_results(self, lane: _Lane, replica: str, runs: list[_Run], outcome) -> None:

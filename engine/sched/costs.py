@@ -166,20 +166,44 @@ class VerifyCostModel:
         self.calls: dict[tuple[int, bool], tuple[tuple[float, float], int]] = {}
         self.overheads: dict[int, tuple[tuple[float], int]] = {}  # bucket -> ((seconds,), rounds)
 
-    def call(self, batch: int, rows: int) -> float:
-        """Predicted seconds of one target call of ``batch`` sequences padded to ``rows``."""
-        table = self.table.predict(batch, rows)
+    def _kinds(self, batch: int):
+        """The bucket's (plain, drafting) means, each None until seen often enough."""
         bucket = load_bucket(batch)
         plain, drafting = self.calls.get((bucket, False)), self.calls.get((bucket, True))
         seen = sum(kind[1] for kind in (plain, drafting) if kind is not None)
-        plain, drafting = (kind if kind is not None and kind[1] >= max(MIN_KIND_CALLS, MIN_KIND_SHARE * seen)
-                           else None for kind in (plain, drafting))
-        if plain is not None and drafting is not None and drafting[0][0] > 1.2 * plain[0][0]:
+        return tuple(kind if kind is not None and kind[1] >= max(MIN_KIND_CALLS, MIN_KIND_SHARE * seen) else None
+                     for kind in (plain, drafting))
+
+    def _line(self, batch: int) -> tuple[float, float, float] | None:
+        """(table seconds, real seconds, slope) of the line through the two kinds' means,
+        once both are known and far enough apart to tell a slope."""
+        plain, drafting = self._kinds(batch)
+        if plain is not None and drafting is not None and abs(drafting[0][0] - plain[0][0]) > 0.2 * min(
+                drafting[0][0], plain[0][0]):
             (t0, r0), (t1, r1) = plain[0], drafting[0]
-            slope = min(MAX_SLOPE, max(MIN_SLOPE, (r1 - r0) / (t1 - t0)))
+            return t0, r0, min(MAX_SLOPE, max(MIN_SLOPE, (r1 - r0) / (t1 - t0)))
+        return None
+
+    def call(self, batch: int, rows: int) -> float:
+        """Predicted seconds of one target call of ``batch`` sequences padded to ``rows``."""
+        table = self.table.predict(batch, rows)
+        line = self._line(batch)
+        if line is not None:
+            t0, r0, slope = line
             return max(0.0, r0 + slope * (table - t0))
+        plain, drafting = self._kinds(batch)
         seen = (drafting or plain) if rows > batch else (plain or drafting)
         return table * seen[0][1] / seen[0][0] if seen is not None else table
+
+    def plain_rounds(self, batch: int, steps: int) -> float:
+        """Seconds of a round whose target call runs ``steps`` plain rounds of ``batch``
+        sequences back to back (``scheduler.plain_steps``): one call's fixed part and one
+        round's overhead, and each further round what the table's step costs at the
+        line's slope -- the part of a call that grows with the work, not its hop. Until
+        the slope is known, the table's own figure (timed in the worker, no hop)."""
+        line = self._line(batch)
+        step = self.table.predict(batch, batch) * (line[2] if line is not None else 1.0)
+        return self.predict(batch, batch) + (steps - 1) * step
 
     def overhead(self, batch: int) -> float:
         seen = self.overheads.get(load_bucket(batch))
@@ -190,13 +214,15 @@ class VerifyCostModel:
         ``rows`` rows: the call, and what the round costs beyond its calls."""
         return self.call(batch, rows) + self.overhead(batch)
 
-    def observe(self, widths: Sequence[int], seconds: float) -> None:
+    def observe(self, widths: Sequence[int], seconds: float, steps: int = 1) -> None:
         """One target call verifying sequences of these widths (drafts + 1 each) took
-        ``seconds``."""
+        ``seconds``; ``steps`` > 1: a call of that many plain rounds, a point on the same
+        line (a call's fixed part, plus its work in table seconds at the slope) at
+        ``steps`` times a round's table seconds."""
         if not widths or len(verify_groups(widths, self.table)) > 1:
             return
         widest = max(widths)
-        table = self.table.predict(len(widths), len(widths) * widest)
+        table = self.table.predict(len(widths), len(widths) * widest) * steps
         key = (load_bucket(len(widths)), widest > 1)
         seen = self.calls.get(key)
         if seen is not None and seen[1] >= MIN_KIND_CALLS:

@@ -119,9 +119,11 @@ class DraftRequest:
 
 class DraftLengthController:
     def __init__(self, verify_costs: VerifyCostModel, draft_costs: DraftCostModel,
-                 acceptance: AcceptanceTracker | None = None) -> None:
+                 acceptance: AcceptanceTracker | None = None, plain_steps: int = 1) -> None:
         self.verify_costs, self.draft_costs = verify_costs, draft_costs
         self.acceptance = acceptance or AcceptanceTracker()
+        self.plain_steps = plain_steps  # plain rounds a target call may run back to back
+        self.last_steps = 1             # ... and how many the last plan chose (1 unless it drafts nothing)
         self._idle_plans: dict[str, int] = {}
         self._follow_ups: dict[str, object] = {}  # mode -> the sequence it explored with last plan
 
@@ -135,26 +137,40 @@ class DraftLengthController:
         plan between the two a user could pin (no drafts, every maximum) only when it is
         predicted ``MIXED_PLAN_MARGIN`` faster than the better of them: where the model
         cannot tell plans apart, doing what a pinned k does costs nothing. The target call
-        is costed padded: a batched verify runs every sequence to the longest one's rows."""
+        is costed padded: a batched verify runs every sequence to the longest one's rows.
+
+        A plan without drafts may run ``plain_steps`` rounds in its one target call
+        (``last_steps`` says whether it does): one hop and one round's bookkeeping for that
+        many tokens a sequence, where a drafting round pays its hops for its expected
+        tokens. Through a server whose hops cost milliseconds that can beat drafting at one
+        stream; in-process it rarely does."""
         alphas = [self.acceptance.alphas(r.seq_id, r.mode, r.k_max) for r in requests]
         modes = sorted({r.mode for r in requests if r.adaptive and r.k_max > 0})
         top = {m: max(r.k_max for r in requests if r.mode == m and r.adaptive) for m in modes}
-        best_rate, best_ks = -1.0, [r.k_max if not r.adaptive else 0 for r in requests]
+        best_rate, best_ks, best_steps = -1.0, [r.k_max if not r.adaptive else 0 for r in requests], 1
         if len(modes) <= 2:
             choices = product(*(range(top[m] + 1) for m in modes))
         else:  # coordinate-wise: each mode's cap in turn, the others at their maximum
             choices = [tuple(top[x] if x != m else k for x in modes) for m in modes for k in range(top[m] + 1)]
-        baselines = []  # (rate, ks) of the plans a user could pin: no drafts, every maximum
+        baselines = []  # (rate, ks, steps) of the plans a user could pin: no drafts, every maximum
         for caps in choices:
             ks, rate = self._under_caps(requests, alphas, dict(zip(modes, caps)))
+            steps = 1
+            if self.plain_steps > 1 and not any(ks):
+                several = len(requests) * self.plain_steps / self.verify_costs.plain_rounds(len(requests),
+                                                                                            self.plain_steps)
+                if several > rate:
+                    rate, steps = several, self.plain_steps
             if all(c == 0 for c in caps) or all(c == top[m] for c, m in zip(caps, modes)):
-                baselines.append((rate, ks))
+                baselines.append((rate, ks, steps))
             if rate > best_rate * (1 + 1e-6):
-                best_rate, best_ks = rate, ks
-        baseline_rate, baseline_ks = max(baselines, key=lambda b: b[0], default=(0.0, best_ks))
+                best_rate, best_ks, best_steps = rate, ks, steps
+        baseline_rate, baseline_ks, baseline_steps = max(baselines, key=lambda b: b[0],
+                                                         default=(0.0, best_ks, best_steps))
         if best_rate < baseline_rate * (1 + MIXED_PLAN_MARGIN):
-            best_ks = baseline_ks
+            best_ks, best_steps = baseline_ks, baseline_steps
         self._explore(requests, best_ks)
+        self.last_steps = best_steps if not any(best_ks) else 1  # exploring may have added a draft
         return best_ks
 
     def _under_caps(self, requests: Sequence[DraftRequest], alphas: list[list[float]],

@@ -50,6 +50,7 @@ class SequenceDriver:
         self.kv_tokens = kv_tokens or len(state.tokens) + state.options.max_new_tokens  # KV to reserve
         self.adaptive = adaptive and mode != "none"  # the scheduler picks each round's drafts (<= num_drafts)
         self.round_drafts = num_drafts  # this round's draft count, as the scheduler chose it
+        self.round_steps = 1            # plain rounds this round's target call may run (no drafts only)
         self.local_proposer, self.remote_proposer = local_proposer, remote_proposer
         self.stats = SpeculativeStats(mode=mode)
         self.prefilled = False
@@ -142,11 +143,11 @@ class SequenceDriver:
             return
         self._drafts, self._probs = list(result.tokens), result.probs
 
-    def verify_item(self, plain_steps: int = 1) -> VerifyItem:
-        """This round's verify message. ``plain_steps`` > 1 asks the target for that many
-        plain rounds back to back, within the request's budget (target-only requests:
-        their rounds never draft, so the target can feed its own tokens)."""
-        steps = draft_width(self.state, plain_steps - 1) if plain_steps > 1 and self.mode == "none" else 1
+    def verify_item(self) -> VerifyItem:
+        """This round's verify message. Without drafts, ``round_steps`` > 1 asks the target
+        for that many plain rounds back to back (it feeds its own tokens), within the
+        request's budget."""
+        steps = draft_width(self.state, self.round_steps - 1) if self.round_steps > 1 and not self._drafts else 1
         return VerifyItem(self.seq_id, list(self._drafts), self._probs, steps)
 
     # -- what came back ------------------------------------------------------------------
@@ -168,11 +169,14 @@ class SequenceDriver:
             self.local_proposer.accept(AcceptContext(outcome.accepted, outcome.tokens[:committed],
                                                      list(self.state.tokens)))
         rounds = [VerifiedRound(len(self._drafts), outcome.accepted, committed)]
-        for step in more:  # target-only rounds: no drafts, no proposer
+        for step in more:  # plain rounds: no drafts
             if self.finished:
                 break
             committed = commit_outcome(self.state, step)
             record_round(self.stats, 0, 0, committed)
+            self._last_accepted = 0
+            if self.local_proposer is not None:
+                self.local_proposer.accept(AcceptContext(0, step.tokens[:committed], list(self.state.tokens)))
             rounds.append(VerifiedRound(0, 0, committed))
         return rounds
 

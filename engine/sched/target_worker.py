@@ -25,7 +25,7 @@ from engine.model.cached_decoder import CachedDecoder, FeedRequest
 from engine.sched.costs import VerifyCostTable, measure_verify_costs, verify_groups
 from engine.errors import EngineError
 from engine.options import GenerationOptions
-from engine.spec.proposers.base import NO_NEEDS, Needs
+from engine.spec.proposers.base import Needs
 from engine.spec.proposers.shared_kv import shared_kv_slices
 from engine.spec.rounds import Anchor, RoundOutcome, verify_on_target
 
@@ -52,7 +52,7 @@ class VerifyItem:
     seq_id: Hashable
     drafts: list[int]
     probs: Any = None            # draft distribution [k, V] (or an object-store reference to it)
-    steps: int = 1               # plain rounds to run back to back (target-only sequences): ``_more_steps``
+    steps: int = 1               # plain rounds to run back to back (no drafts): ``_more_steps``
 
 
 @dataclass(frozen=True)
@@ -145,10 +145,8 @@ class TargetWorker:
         for seq_id, outcome in self._rounds(known, self._feed_grouped).items():
             results[seq_id] = (TargetResult(seq_id, None, error=_describe(outcome)) if isinstance(outcome, Exception)
                                else self._result(seq_id, self._seqs[seq_id], outcome))
-        # Only for sequences that hand nothing to a proposer: the rounds after the first
-        # would leave it an anchor the caller never sees.
-        self._more_steps([i for i in known if i.steps > 1 and not i.drafts and results[i.seq_id].error is None
-                          and self._seqs[i.seq_id].needs == NO_NEEDS], results)
+        self._more_steps([i for i in known if i.steps > 1 and not i.drafts and results[i.seq_id].error is None],
+                         results)
         return [results[i.seq_id] for i in items]
 
     def _rounds(self, items: list[VerifyItem], feed) -> dict[Hashable, RoundOutcome | Exception]:
@@ -207,9 +205,13 @@ class TargetWorker:
                 left[seq_id] = 0 if ended(seq_id, outcome) else left[seq_id] - 1
         for seq_id, outcomes in more.items():
             if outcomes:
-                seq = self._seqs[seq_id]
-                results[seq_id] = dataclasses.replace(self._result(seq_id, seq, outcomes[-1]),
-                                                      outcome=results[seq_id].outcome, more=tuple(outcomes))
+                # The proposer starts its next round from the last round's anchor, so that
+                # one rides on the first outcome (where callers look, by reference on the
+                # server) and the others carry none.
+                last = self._result(seq_id, self._seqs[seq_id], outcomes[-1])
+                first = dataclasses.replace(results[seq_id].outcome, anchor=last.outcome.anchor)
+                results[seq_id] = dataclasses.replace(last, outcome=first, more=tuple(
+                    dataclasses.replace(o, anchor=Anchor()) for o in outcomes))
 
     def _feed_grouped(self, requests: list[FeedRequest]) -> list:
         """One padded call, or the sequences without drafts apart from those with them,
