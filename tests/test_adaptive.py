@@ -391,7 +391,8 @@ def test_where_calls_cost_a_hop_plain_rounds_run_several_to_a_call_instead_of_dr
     hop and one round's bookkeeping for that many tokens. In-process a good head's
     drafts still win; where every call also pays a hop (3 ms here, as through the
     server), eight plain rounds a call beat drafting -- and one plain round a call does
-    not, so with ``plain_steps`` 1 the plan drafts again."""
+    not, so with ``plain_steps`` 1 the plan drafts again. A sequence with no drafts to
+    weigh (a prompt lookup that found none) gets one round: it may find some the next."""
     in_process = controller({"eagle3": 0.6}, table=LAYOUT_TABLE)
     in_process.plain_steps = 8
     assert in_process.plan(requests("eagle3", 1)) == [4] and in_process.last_steps == 1
@@ -405,6 +406,9 @@ def test_where_calls_cost_a_hop_plain_rounds_run_several_to_a_call_instead_of_dr
     assert served.plan(requests("eagle3", 1)) == [0] and served.last_steps == 8
     served.plain_steps = 1
     assert served.plan(requests("eagle3", 1)) == [4] and served.last_steps == 1
+    # A prompt lookup that found nothing this round may find drafts the next: one round.
+    served.plain_steps = 8
+    assert served.plan([DraftRequest("s", "prompt_lookup", 0, True)]) == [0] and served.last_steps == 1
 
 
 @pytest.mark.parametrize("mode", ["eagle3", "shared_kv"])
