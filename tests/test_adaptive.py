@@ -268,7 +268,7 @@ def test_adaptive_rounds_give_the_target_only_tokens(mode, adaptive_engine, held
     solo = adaptive_engine.generate(*jobs[0])
     assert solo.token_ids == reference[0]
     costs = adaptive_engine.coordinator.draft_lengths.verify_costs  # the rounds taught the cost model
-    assert costs.calls and costs.overheads
+    assert (costs.calls or costs.several) and costs.overheads
     assert adaptive_engine.drain() and adaptive_engine.target.cache.used_blocks == 0
 
 

@@ -165,6 +165,8 @@ class VerifyCostModel:
         # (bucket, drafting) -> ((table seconds, real seconds) averaged, calls)
         self.calls: dict[tuple[int, bool], tuple[tuple[float, float], int]] = {}
         self.overheads: dict[int, tuple[tuple[float], int]] = {}  # bucket -> ((seconds,), rounds)
+        # bucket -> ((table seconds, real seconds) averaged, calls) of calls of several plain rounds
+        self.several: dict[int, tuple[tuple[float, float], int]] = {}
 
     def _kinds(self, batch: int):
         """The bucket's (plain, drafting) means, each None until seen often enough."""
@@ -178,8 +180,7 @@ class VerifyCostModel:
         """(table seconds, real seconds, slope) of the line through the two kinds' means,
         once both are known and far enough apart to tell a slope."""
         plain, drafting = self._kinds(batch)
-        if plain is not None and drafting is not None and abs(drafting[0][0] - plain[0][0]) > 0.2 * min(
-                drafting[0][0], plain[0][0]):
+        if plain is not None and drafting is not None and drafting[0][0] > 1.2 * plain[0][0]:
             (t0, r0), (t1, r1) = plain[0], drafting[0]
             return t0, r0, min(MAX_SLOPE, max(MIN_SLOPE, (r1 - r0) / (t1 - t0)))
         return None
@@ -197,13 +198,19 @@ class VerifyCostModel:
 
     def plain_rounds(self, batch: int, steps: int) -> float:
         """Seconds of a round whose target call runs ``steps`` plain rounds of ``batch``
-        sequences back to back (``scheduler.plain_steps``): one call's fixed part and one
-        round's overhead, and each further round what the table's step costs at the
-        line's slope -- the part of a call that grows with the work, not its hop. Until
-        the slope is known, the table's own figure (timed in the worker, no hop)."""
-        line = self._line(batch)
-        step = self.table.predict(batch, batch) * (line[2] if line is not None else 1.0)
-        return self.predict(batch, batch) + (steps - 1) * step
+        sequences back to back (``scheduler.plain_steps``), plus one round's overhead:
+        scaled from such calls of its bucket once seen; before, a plain call (its fixed
+        part: a hop, the worker's own work) and each further round at the table's own
+        figure, timed in the worker without a hop. (Not at the plain-to-drafting line's
+        slope: at batch 1 a drafting call differs from a plain one mostly by its object
+        store traffic, not by rows, and that slope priced a further round at 4x the table
+        through the server, where eight plain rounds a call ran 1.5x faster than drafting.)"""
+        table = self.table.predict(batch, batch)
+        seen = self.several.get(load_bucket(batch))
+        if seen is not None and seen[1] >= MIN_KIND_CALLS:
+            (mean_table, mean_real), _ = seen
+            return steps * table * mean_real / mean_table + self.overhead(batch)
+        return self.predict(batch, batch) + (steps - 1) * table
 
     def overhead(self, batch: int) -> float:
         seen = self.overheads.get(load_bucket(batch))
@@ -216,13 +223,15 @@ class VerifyCostModel:
 
     def observe(self, widths: Sequence[int], seconds: float, steps: int = 1) -> None:
         """One target call verifying sequences of these widths (drafts + 1 each) took
-        ``seconds``; ``steps`` > 1: a call of that many plain rounds, a point on the same
-        line (a call's fixed part, plus its work in table seconds at the slope) at
-        ``steps`` times a round's table seconds."""
+        ``seconds``; ``steps`` > 1: a call of that many plain rounds, learnt apart
+        (``plain_rounds``)."""
         if not widths or len(verify_groups(widths, self.table)) > 1:
             return
         widest = max(widths)
-        table = self.table.predict(len(widths), len(widths) * widest) * steps
+        table = self.table.predict(len(widths), len(widths) * widest)
+        if steps > 1:
+            _learn(self.several, load_bucket(len(widths)), (table * steps, seconds), self.smoothing)
+            return
         key = (load_bucket(len(widths)), widest > 1)
         seen = self.calls.get(key)
         if seen is not None and seen[1] >= MIN_KIND_CALLS:

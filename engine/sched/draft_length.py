@@ -177,7 +177,7 @@ class DraftLengthController:
                                                          default=(0.0, best_ks, best_steps))
         if best_rate < baseline_rate * (1 + MIXED_PLAN_MARGIN):
             best_ks, best_steps = baseline_ks, baseline_steps
-        self._explore(requests, best_ks)
+        self._explore(requests, best_ks, best_steps)
         self.last_steps = best_steps if not any(best_ks) else 1  # exploring may have added a draft
         return best_ks
 
@@ -233,13 +233,15 @@ class DraftLengthController:
             return 0.0
         return CATCH_UP_STEPS * r.catch_up * self.draft_costs.marginal_step(r.mode)
 
-    def _explore(self, requests: Sequence[DraftRequest], ks: list[int]) -> None:
+    def _explore(self, requests: Sequence[DraftRequest], ks: list[int], steps: int = 1) -> None:
         """Acceptance of draft position j is only measured in rounds that draft past it. A
         mode whose plans have stopped short of its maximum for ``explore_wait`` plans in a
         row gets one sequence drafting one position deeper (from 0: one draft), so its
         estimates follow the traffic (and recover from an unlucky start) instead of
         freezing at "not worth it". A draft model explored from 0 drafts one more round
-        with the same sequence: the first call is a catch-up, not a measurement."""
+        with the same sequence: the first call is a catch-up, not a measurement. A plan of
+        ``steps`` plain rounds in one call counts as that many plans: the wait is in
+        rounds (one stream, 8 rounds a plan, it would otherwise outlast a request)."""
         waiting: dict[str, list[int]] = {}  # mode -> its adaptive sequences that could draft
         for i, r in enumerate(requests):
             if r.adaptive and r.k_max > 0:
@@ -259,9 +261,12 @@ class DraftLengthController:
                 self._idle_plans[mode] = 0  # some sequence drafts the deepest allowed: every position is judged
                 continue
             self._idle_plans[mode] = self._idle_plans.get(mode, 0) + 1
-            if self._idle_plans[mode] >= explore_wait(len(requests)):
-                self._idle_plans[mode] = 0
-                deepest = max(short, key=lambda i: ks[i])
-                if ks[deepest] == 0:
-                    self._follow_ups[mode] = requests[deepest].seq_id
-                ks[deepest] += 1
+            if self._idle_plans[mode] < explore_wait(len(requests)):
+                if not any(ks):
+                    self._idle_plans[mode] += steps - 1  # the call's further plain rounds
+                continue
+            self._idle_plans[mode] = 0
+            deepest = max(short, key=lambda i: ks[i])
+            if ks[deepest] == 0:
+                self._follow_ups[mode] = requests[deepest].seq_id
+            ks[deepest] += 1
