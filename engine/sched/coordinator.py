@@ -278,7 +278,10 @@ class RoundCoordinator:
     async def _choose_draft_lengths(self, decoding: list[_Run]) -> None:
         """Set every decoding sequence's drafts for this round: pinned requests get their
         maximum; adaptive ones what ``DraftLengthController`` plans for their target call
-        (a model-free proposer's at most what it found, and its drafts are cut to that)."""
+        (a model-free proposer's at most what it found, and its drafts are cut to that).
+        Also how many plain rounds each call runs (``round_steps``): ``plain_steps`` for
+        a call of target-only sequences, what the plan chose for a call it drafts nothing
+        in, else one."""
         adaptive = [run for run in decoding if run.driver.adaptive]
         if adaptive and self.draft_lengths is None:
             self.draft_lengths = DraftLengthController(VerifyCostModel(await self.transport.verify_costs()),
