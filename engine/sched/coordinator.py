@@ -101,7 +101,6 @@ class _Lane:
     task: asyncio.Task | None = None
     ticking: bool = False  # releases are in flight inside a tick
     members: dict[str, frozenset] = field(default_factory=dict)  # target replica -> its last call's sequences
-    several_rounds: bool = False  # this tick's target calls run several rounds a sequence (``plain_steps``)
 
     @property
     def has_work(self) -> bool:
@@ -251,7 +250,8 @@ class RoundCoordinator:
             if run.driver.finished:
                 self._retire(lane, run)
         finished = time.perf_counter()
-        if self.draft_lengths is not None and decoding and not prefilling and not lane.several_rounds:
+        if self.draft_lengths is not None and decoding and not prefilling \
+                and all(run.driver.round_steps == 1 for run in decoding):  # a round's overhead, not several's
             self.draft_lengths.verify_costs.observe_overhead(len(decoding), finished - started - in_calls)
         t = self.timings
         t.ticks, t.rounds = t.ticks + 1, t.rounds + len(prefilling) + len(decoding)
@@ -417,7 +417,6 @@ class RoundCoordinator:
             prefills, _, runs = groups.setdefault(run.grant.replica, ([], [], []))
             prefills.append(run.driver.prefill_item(run.grant.blocks))
             runs.append(run)
-        lane.several_rounds = any(run.driver.round_steps > 1 for run in decoding)
         for run in decoding:
             _, verifies, runs = groups.setdefault(run.grant.replica, ([], [], []))
             verifies.append(run.driver.verify_item())

@@ -142,11 +142,12 @@ class TargetWorker:
         known = [i for i in items if i.seq_id in self._seqs]
         results = {i.seq_id: TargetResult(i.seq_id, None, error="sequence is not on this target replica",
                                           unknown_sequence=True) for i in items if i.seq_id not in self._seqs}
-        for seq_id, outcome in self._rounds(known, self._feed_grouped).items():
+        outcomes = self._rounds(known, self._feed_grouped)
+        more = self._more_steps([i for i in known if i.steps > 1 and not i.drafts
+                                 and not isinstance(outcomes[i.seq_id], Exception)], outcomes)
+        for seq_id, outcome in outcomes.items():
             results[seq_id] = (TargetResult(seq_id, None, error=_describe(outcome)) if isinstance(outcome, Exception)
-                               else self._result(seq_id, self._seqs[seq_id], outcome))
-        self._more_steps([i for i in known if i.steps > 1 and not i.drafts and results[i.seq_id].error is None],
-                         results)
+                               else self._result(seq_id, self._seqs[seq_id], outcome, more.get(seq_id, ())))
         return [results[i.seq_id] for i in items]
 
     def _rounds(self, items: list[VerifyItem], feed) -> dict[Hashable, RoundOutcome | Exception]:
@@ -175,7 +176,8 @@ class TargetWorker:
             done[item.seq_id] = outcome
         return done
 
-    def _more_steps(self, items: list[VerifyItem], results: dict[Hashable, TargetResult]) -> None:
+    def _more_steps(self, items: list[VerifyItem], outcomes: dict[Hashable, RoundOutcome | Exception]
+                    ) -> dict[Hashable, list[RoundOutcome]]:
         """Run ``steps - 1`` more plain rounds for these sequences, each feeding the token
         the last one chose, as a batch while any is left -- so that the caller's per-round
         work (and, over a network, its hop) is paid once per call, not per token.
@@ -185,33 +187,24 @@ class TargetWorker:
         rounds would have given one call at a time. The caller bounds ``steps`` by the
         sequence's budget, so the KV never outgrows its grant; a sequence stops early at
         an end-of-sequence token (stop strings are the caller's: what it does not commit,
-        it releases with the sequence). A sequence whose round fails gets the error, as
-        in ``_verify``."""
+        it releases with the sequence). A sequence whose round fails has its outcome
+        replaced by the exception, as in ``_verify``. Returns each sequence's further rounds."""
         eos = set(self.target.eos_token_ids)
 
         def ended(seq_id: Hashable, outcome: RoundOutcome) -> bool:
             return not self._seqs[seq_id].options.ignore_eos and outcome.tokens[-1] in eos
 
         more: dict[Hashable, list[RoundOutcome]] = {i.seq_id: [] for i in items}
-        left = {i.seq_id: 0 if ended(i.seq_id, results[i.seq_id].outcome) else i.steps - 1 for i in items}
+        left = {i.seq_id: 0 if ended(i.seq_id, outcomes[i.seq_id]) else i.steps - 1 for i in items}
         while going := [i for i in items if left[i.seq_id] > 0]:
             for seq_id, outcome in self._rounds(going, self.target.feed_batch).items():
+                left[seq_id] = 0 if isinstance(outcome, Exception) or ended(seq_id, outcome) else left[seq_id] - 1
                 if isinstance(outcome, Exception):
-                    results[seq_id] = TargetResult(seq_id, None, error=_describe(outcome))
+                    outcomes[seq_id] = outcome
                     more.pop(seq_id)
-                    left[seq_id] = 0
-                    continue
-                more[seq_id].append(outcome)
-                left[seq_id] = 0 if ended(seq_id, outcome) else left[seq_id] - 1
-        for seq_id, outcomes in more.items():
-            if outcomes:
-                # The proposer starts its next round from the last round's anchor, so that
-                # one rides on the first outcome (where callers look, by reference on the
-                # server) and the others carry none.
-                last = self._result(seq_id, self._seqs[seq_id], outcomes[-1])
-                first = dataclasses.replace(results[seq_id].outcome, anchor=last.outcome.anchor)
-                results[seq_id] = dataclasses.replace(last, outcome=first, more=tuple(
-                    dataclasses.replace(o, anchor=Anchor()) for o in outcomes))
+                else:
+                    more[seq_id].append(outcome)
+        return more
 
     def _feed_grouped(self, requests: list[FeedRequest]) -> list:
         """One padded call, or the sequences without drafts apart from those with them,
@@ -222,12 +215,20 @@ class TargetWorker:
                 outputs[i] = out
         return outputs
 
-    def _result(self, seq_id: Hashable, seq: _TargetSequence, outcome: RoundOutcome) -> TargetResult:
-        """Attach the shared-KV slices the sequence's proposer reads (after the rewind)."""
+    def _result(self, seq_id: Hashable, seq: _TargetSequence, outcome: RoundOutcome,
+                more: Sequence[RoundOutcome] = ()) -> TargetResult:
+        """The call's result for a sequence, with the anchor its proposer starts from next:
+        the last round's (after ``more`` plain rounds, theirs), on the first outcome -- where
+        callers look, by reference on the server -- with the shared-KV slices the proposer
+        reads (after the rewind); the further rounds carry none."""
+        anchor = (more[-1] if more else outcome).anchor
         if seq.needs.shared_kv_layers:
-            slices = shared_kv_slices(self.target.cache, seq_id, seq.needs.shared_kv_layers)
-            outcome = dataclasses.replace(outcome, anchor=dataclasses.replace(outcome.anchor, shared_kv=slices))
-        return TargetResult(seq_id, outcome, kv_length=self.target.cache.length(seq_id))
+            anchor = dataclasses.replace(anchor, shared_kv=shared_kv_slices(self.target.cache, seq_id,
+                                                                            seq.needs.shared_kv_layers))
+        if anchor is not outcome.anchor:
+            outcome = dataclasses.replace(outcome, anchor=anchor)
+        return TargetResult(seq_id, outcome, tuple(dataclasses.replace(o, anchor=Anchor()) for o in more),
+                            kv_length=self.target.cache.length(seq_id))
 
 
 def _describe(exc: BaseException) -> str:
