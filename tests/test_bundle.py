@@ -138,6 +138,25 @@ def test_served_graphs_are_what_the_fused_graph_builder_writes_from_the_checkpoi
     assert parity(MODELS / entry.directory / entry.onnx, rebuilt) == 0.0
 
 
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_in_place_twins_are_what_the_builder_writes_and_compute_what_the_served_graphs_do(role, manifest, tmp_path):
+    """``model.inplace.onnx`` (``engine.model.in_place``) is the builder's graph, node for
+    node, and agrees with the served graph over prefill, verifies, rewinds and steps."""
+    import onnx
+
+    from modelbuild.fused_graph import IN_PLACE_FILE, build_fused_decoder, in_place_parity
+
+    entry = manifest.models[role]
+    committed = MODELS / entry.directory / IN_PLACE_FILE
+    for name in (entry.config, entry.weights):
+        (tmp_path / name).write_bytes((MODELS / entry.directory / name).read_bytes())
+    rebuilt = build_fused_decoder(tmp_path, tmp_path / IN_PLACE_FILE, tuple(entry.hidden_outputs.layer_indices or ()),
+                                  in_place=True)
+    graphs = [onnx.load(str(path), load_external_data=False).graph for path in (committed, rebuilt)]
+    assert graphs[0].SerializeToString() == graphs[1].SerializeToString()
+    assert in_place_parity(MODELS / entry.directory / entry.onnx, committed) < 1e-4
+
+
 def test_a_mobius_targets_outputs_get_the_bundles_names(manifest, tmp_path):
     """mobius names the output of decoder layer k ``hidden_states.{k}`` (HF
     ``hidden_states[k+1]``) and has no final-norm output; ``convert_mobius`` renames layer

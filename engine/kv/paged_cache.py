@@ -93,10 +93,19 @@ class SessionPast:
     keys: list[np.ndarray]
     values: list[np.ndarray]
     alive: np.ndarray  # bool [T]
+    # The preallocated buffer these tensors are views of, when an in-place call wrote them
+    # (``engine.model.in_place``): its next call may write right after the live slots.
+    buffer: object | None = None
 
     @property
     def dead(self) -> int:
         return int(self.alive.size - np.count_nonzero(self.alive))
+
+    @property
+    def contiguous(self) -> bool:
+        """Every live slot comes before every dead one (a rewind only ever kills a tail)."""
+        live = int(np.count_nonzero(self.alive))
+        return bool(self.alive[:live].all())
 
     def live(self) -> slice | np.ndarray:
         """Index of the live slots along the slot axis, in order (a plain slice when no
@@ -325,7 +334,7 @@ class PagedKVCache:
         s.written = s.length
 
     def append_from_session(self, seq_id: Hashable, keys: Sequence[np.ndarray], values: Sequence[np.ndarray],
-                            alive: np.ndarray) -> None:
+                            alive: np.ndarray, buffer: object | None = None) -> None:
         """Append the new tokens of a model call given the session's whole output: per layer
         ``present`` tensors ``[1, heads, T, dim]`` (the past fed plus the new tokens) and
         which of their ``T`` slots are real. That output becomes the sequence's past for
@@ -333,7 +342,8 @@ class PagedKVCache:
         something reads them (``materialize``, ``slice``), so a step copies nothing.
 
         Atomic like ``append``. Not under a sliding window, whose evictions the session's
-        copy cannot follow: use ``append`` there.
+        copy cannot follow: use ``append`` there. ``buffer``: the in-place buffer the
+        tensors are views of, if any (``SessionPast.buffer``).
         """
         if self.sliding_window is not None:
             raise ValueError("append_from_session needs a cache without a sliding window; use append")
@@ -349,7 +359,7 @@ class PagedKVCache:
                 raise ValueError(f"session output must be one [1, heads, {alive.size}, dim] tensor per layer "
                                  f"matching the cache geometry")
         self._allocate(seq_id, s, n)
-        s.session = SessionPast(list(keys), list(values), alive)
+        s.session = SessionPast(list(keys), list(values), alive, buffer)
 
     def _allocate(self, seq_id: Hashable, s: _Seq, n: int) -> int:
         """Give the sequence ``n`` more token slots (and blocks), applying the window;

@@ -1,7 +1,8 @@
 """A decoder with its tokenizer and its own paged KV cache, kept in step.
 
 Used for the target and for the draft model: ``feed`` runs new tokens after a
-sequence's cached past and appends their KV; rewinds go to ``cache.rewind``.
+sequence's cached past and appends their KV; rewinds go to ``cache.rewind``. Calls at
+batch 1 run on the model's in-place twin where it has one (``engine.model.in_place``).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numpy as np
 from engine.errors import ModelLoadError
 from engine.kv.batch_layout import BatchLayouts
 from engine.kv.paged_cache import KVCacheCapacityError, PagedKVCache
+from engine.model.in_place import InPlaceDecoder, KVBuffer, buffer_capacity
 from engine.model.onnx_model import OnnxDecoder
 from engine.config import EngineConfig
 from engine.model.probe import check_finite
@@ -61,6 +63,11 @@ class CachedDecoder:
                                   dtype=self.decoder.kv_dtype, sliding_window=self.config.sliding_window,
                                   sink_tokens=self.config.sink_tokens)
         self.batch_layouts = BatchLayouts(self.cache)
+        self.in_place = None  # the batch-1 twin, where the model has one and the cache allows it
+        if self.config.in_place_kv and self.config.sliding_window is None:
+            self.in_place = InPlaceDecoder.load(self.decoder, self.config.intra_op_threads,
+                                                self.config.spinning(owns_cores))
+        self.buffers_made = 0  # in-place buffers allocated (a sequence's first, or one that grew or was copied)
 
     def feed(self, seq_id, tokens: Sequence[int], first_position: int) -> SequenceOutput:
         """Run ``tokens`` after one sequence's cached past; see ``feed_batch``."""
@@ -94,6 +101,9 @@ class CachedDecoder:
         session_layout = self.decoder.io.position_ids is not None and self.cache.sliding_window is None
         if session_layout and len(requests) > 1:
             return self._feed_batched(requests)
+        if session_layout and self.in_place is not None \
+                and requests[0].first_position == self.cache.length(requests[0].seq_id):
+            return [self._feed_in_place(requests[0])]
         pasts = [self.cache.session_past(r.seq_id) if session_layout else self.cache.gathered_past(r.seq_id)
                  for r in requests]
         past_lens = [p.alive.size for p in pasts]
@@ -131,6 +141,30 @@ class CachedDecoder:
             outputs.append(SequenceOutput(out.logits[i, : new_lens[i]],
                                           {name: value[i, : new_lens[i]] for name, value in out.extras.items()}))
         return outputs
+
+    def _feed_in_place(self, request: FeedRequest) -> SequenceOutput:
+        """``feed_batch`` at batch 1 on the in-place twin: the new tokens' KV lands in the
+        sequence's buffer right after its live slots, and that buffer (views of it) becomes
+        its session copy, so the next call, after a rewind or not, goes on in place. A new
+        buffer, holding a copy of the live past, only where the session copy is no
+        buffer's (a prefill, a batched call's row), is full, or has a dead slot before a
+        live one."""
+        seq_id = request.seq_id
+        past = self.cache.session_past(seq_id, compact=False)
+        length, needed = self.cache.length(seq_id), self.cache.length(seq_id) + len(request.tokens)
+        buffer = past.buffer
+        if not (isinstance(buffer, KVBuffer) and past.contiguous and needed <= buffer.capacity):
+            buffer = self.in_place.new_buffer(buffer_capacity(needed, self.max_context))
+            live = past.live()
+            for layer, (key, value) in enumerate(zip(past.keys, past.values)):
+                buffer.keys[layer][:, :, :length] = key[:, :, live]
+                buffer.values[layer][:, :, :length] = value[:, :, live]
+            self.buffers_made += 1
+        logits, extras = self.in_place.run(buffer, length, np.asarray([request.tokens]))
+        self.cache.append_from_session(seq_id, [key[:, :, :needed] for key in buffer.keys],
+                                       [value[:, :, :needed] for value in buffer.values],
+                                       np.ones(needed, np.bool_), buffer)
+        return SequenceOutput(logits[0], {name: value[0] for name, value in extras.items()})
 
     def _feed_batched(self, requests: Sequence[FeedRequest]) -> list[SequenceOutput]:
         """``feed_batch`` at batch > 1 in the session layout, on a kept ``BatchLayout``."""

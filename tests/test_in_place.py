@@ -1,0 +1,132 @@
+"""Calls at batch 1 on a model's in-place twin (``engine.model.in_place``) give what the
+standard graph gives, through rewinds, batched calls in between and buffer growth, and
+a twin that does not match its graph is never used."""
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+
+import numpy as np
+import pytest
+
+from engine import Engine, GenerationOptions
+from engine.model.cached_decoder import CachedDecoder, FeedRequest
+from engine.model.in_place import CAPACITY_STEP, IN_PLACE_FILE, buffer_capacity
+from modelbuild.fused_graph import build_fused_decoder
+from tests.conftest import CPU_CONFIG, DRAFT_DIR, MODELS, TARGET_DIR
+
+STANDARD = CPU_CONFIG.model_copy(update={"in_place_kv": False})
+
+
+def test_buffer_capacity_leaves_room_in_whole_steps_within_the_context():
+    assert buffer_capacity(30, 512) == 2 * CAPACITY_STEP      # 30 + 64, rounded up to a step
+    assert buffer_capacity(400, 512) == 512                   # never past the context...
+    assert buffer_capacity(600, 512) == 600                   # ...unless the call itself needs more
+    assert all(buffer_capacity(n, 512) >= n for n in range(1, 600))
+
+
+@pytest.mark.parametrize("model_dir", [TARGET_DIR, DRAFT_DIR], ids=["target", "draft"])
+def test_in_place_calls_match_the_standard_graph_through_rewinds_batches_and_growth(model_dir):
+    in_place, standard = CachedDecoder(model_dir, CPU_CONFIG), CachedDecoder(model_dir, STANDARD)
+    assert in_place.in_place is not None and standard.in_place is None
+    calls_at_load = in_place.in_place.calls  # the load-time check's own runs
+    rng = random.Random(3)
+    vocab = standard.decoder.vocab_size
+    lengths = {"a": 30, "b": 12}
+    for decoder in (in_place, standard):
+        for seq, n in lengths.items():
+            decoder.cache.add_sequence(seq)
+    prompts = {seq: [rng.randrange(vocab) for _ in range(n)] for seq, n in lengths.items()}
+
+    def both(requests: list[FeedRequest]) -> None:
+        outs = [decoder.feed_batch(requests) for decoder in (in_place, standard)]
+        for got, want in zip(*outs):
+            np.testing.assert_allclose(got.logits, want.logits, atol=1e-4)
+            assert (got.logits.argmax(-1) == want.logits.argmax(-1)).all()
+            for name in want.extras:
+                np.testing.assert_allclose(got.extras[name], want.extras[name], atol=1e-4)
+
+    for seq, prompt in prompts.items():
+        both([FeedRequest(seq, prompt, 0)])
+    previous, after_batch, grew = in_place.cache.kept_session("a").buffer, False, 0
+    for round_ in range(100):  # "a" outgrows its buffer (128 slots after its prefill) and the next
+        drafts = [rng.randrange(vocab) for _ in range(5)]
+        both([FeedRequest("a", drafts, lengths["a"])])
+        buffer = in_place.cache.kept_session("a").buffer
+        if buffer is not previous:  # a new buffer only after a batched call's row, or to grow
+            assert after_batch or lengths["a"] + 5 > previous.capacity
+            grew += not after_batch
+        previous, after_batch = buffer, False
+        lengths["a"] += 1 + round_ % 4  # the rest rejected: a rewind, i.e. a shorter length
+        for decoder in (in_place, standard):
+            decoder.cache.rewind("a", lengths["a"])
+        if round_ in (7, 22):  # batched calls in between: "a"'s next buffer starts from its row
+            both([FeedRequest("a", [rng.randrange(vocab)], lengths["a"]),
+                  FeedRequest("b", [rng.randrange(vocab) for _ in range(2)], lengths["b"])])
+            lengths["a"] += 1
+            lengths["b"] += 2
+            after_batch = True
+    assert grew >= 1 and lengths["a"] > 256
+    for seq in lengths:  # what the pools and a shared-KV head read afterwards
+        for (k1, v1), (k2, v2) in zip(in_place.cache.materialize(seq), standard.cache.materialize(seq)):
+            np.testing.assert_allclose(k1, k2, atol=1e-4)
+            np.testing.assert_allclose(v1, v2, atol=1e-4)
+        layer = len(standard.decoder.layers) // 2
+        for got, want in zip(in_place.cache.slice(seq, layer), standard.cache.slice(seq, layer)):
+            np.testing.assert_allclose(got, want, atol=1e-4)
+    assert in_place.in_place.calls - calls_at_load == 102  # two prefills, every single call after them
+    # Prefills, the 2 calls after a batched one, the growths; every other call in place.
+    assert in_place.buffers_made == 2 + 2 + grew
+
+
+@pytest.mark.parametrize("mode", ["none", "eagle3", "draft_model"])
+def test_engine_output_is_the_same_with_and_without_the_twin(mode, heldout_prompts):
+    options = GenerationOptions(max_new_tokens=40, ignore_eos=True, speculative_mode=mode, logprobs=True)
+    results = {}
+    for name, config in (("in place", CPU_CONFIG), ("standard", STANDARD)):
+        engine = Engine(MODELS, config)
+        try:
+            results[name] = [engine.generate(p, options) for p in heldout_prompts[:3]]
+            if name == "in place":
+                assert engine.target.in_place.calls > 0
+        finally:
+            engine.close()
+    for got, want in zip(results["in place"], results["standard"]):
+        assert got.token_ids == want.token_ids
+        np.testing.assert_allclose([lp.logprob for lp in got.logprobs], [lp.logprob for lp in want.logprobs],
+                                   atol=1e-3)
+
+
+def _copy_model(tmp_path):
+    for name in ("config.json", "model.safetensors", "model.onnx", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DRAFT_DIR / name, tmp_path / name)
+    return tmp_path
+
+
+def test_a_model_without_a_twin_runs_the_standard_graph(tmp_path):
+    decoder = CachedDecoder(_copy_model(tmp_path), CPU_CONFIG)
+    assert decoder.in_place is None
+    decoder.cache.add_sequence(0)
+    assert decoder.feed(0, [1, 2, 3], 0).logits.shape[0] == 3
+
+
+def test_a_twin_that_disagrees_with_its_graph_is_not_used(tmp_path, caplog):
+    """A stale twin (here: built with another rotary base) must not serve: the standard
+    graph does, and the log says why."""
+    model = _copy_model(tmp_path)
+    config = json.loads((model / "config.json").read_text())
+    wrong = dict(config, rope_theta=config.get("rope_theta", 10000.0) * 3)
+    (model / "config.json").write_text(json.dumps(wrong))
+    build_fused_decoder(model, model / IN_PLACE_FILE, in_place=True)
+    (model / "config.json").write_text(json.dumps(config))
+    with caplog.at_level(logging.WARNING, logger="specserve.engine"):
+        decoder = CachedDecoder(model, CPU_CONFIG)
+    assert decoder.in_place is None
+    assert "logits differ" in caplog.text
+
+
+def test_a_sliding_window_or_the_switch_keeps_the_standard_graph():
+    assert CachedDecoder(DRAFT_DIR, CPU_CONFIG.model_copy(update={"sliding_window": 64})).in_place is None
+    assert CachedDecoder(DRAFT_DIR, STANDARD).in_place is None
