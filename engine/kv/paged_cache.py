@@ -353,11 +353,10 @@ class PagedKVCache:
         if n < 1:
             raise ValueError(f"the session output holds {n + s.length} live slots; sequence {seq_id!r} "
                              f"already retains {s.length}, so there is nothing new to append")
-        for arrays in (keys, values):
-            if len(arrays) != len(self.layers) or any(
-                    a.shape != (1, g.num_kv_heads, alive.size, g.head_dim) for a, g in zip(arrays, self.layers)):
-                raise ValueError(f"session output must be one [1, heads, {alive.size}, dim] tensor per layer "
-                                 f"matching the cache geometry")
+        shapes = [(1, g.num_kv_heads, alive.size, g.head_dim) for g in self.layers]
+        if [a.shape for a in keys] != shapes or [a.shape for a in values] != shapes:
+            raise ValueError(f"session output must be one [1, heads, {alive.size}, dim] tensor per layer "
+                             f"matching the cache geometry")
         self._allocate(seq_id, s, n)
         s.session = SessionPast(list(keys), list(values), alive, buffer)
 

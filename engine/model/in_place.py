@@ -47,6 +47,7 @@ class KVBuffer:
     # New-token count -> preallocated outputs (arrays and the OrtValues over them): bound
     # per call, so no call allocates its outputs or wraps every bound output to find them.
     outputs: dict[int, list[tuple[np.ndarray, ort.OrtValue]]] = field(default_factory=dict)
+    bound_width: int = 0  # the new-token count whose outputs are bound now (bindings persist across runs)
 
     @property
     def capacity(self) -> int:
@@ -145,8 +146,10 @@ class InPlaceDecoder:
         if outputs is None:
             arrays = [np.empty((1, new, width), np.float32) for width in self.output_widths]
             outputs = buffer.outputs[new] = [(a, ort.OrtValue.ortvalue_from_numpy(a)) for a in arrays]
-        for name, (_, value) in zip(self.output_names, outputs):
-            binding.bind_ortvalue_output(name, value)
+        if buffer.bound_width != new:
+            for name, (_, value) in zip(self.output_names, outputs):
+                binding.bind_ortvalue_output(name, value)
+            buffer.bound_width = new
         self.session.run_with_iobinding(binding)
         self.calls += 1
         # Copies: the arrays are this buffer's, rewritten by its next call of this width.
