@@ -29,16 +29,14 @@ def test_buffer_capacity_leaves_room_in_whole_steps_within_the_context():
 
 @pytest.mark.parametrize("model_dir", [TARGET_DIR, DRAFT_DIR], ids=["target", "draft"])
 def test_in_place_calls_match_the_standard_graph_through_rewinds_batches_and_growth(model_dir):
+    """Sequence "a" decodes alone on the twin, with a second sequence "b" joining it twice
+    for a batched call (and a batch-1 call of each while both are there, which the
+    standard graph serves: two spinning thread pools must not alternate)."""
     in_place, standard = CachedDecoder(model_dir, CPU_CONFIG), CachedDecoder(model_dir, STANDARD)
     assert in_place.in_place is not None and standard.in_place is None
     calls_at_load = in_place.in_place.calls  # the load-time check's own runs
     rng = random.Random(3)
     vocab = standard.decoder.vocab_size
-    lengths = {"a": 30, "b": 12}
-    for decoder in (in_place, standard):
-        for seq, n in lengths.items():
-            decoder.cache.add_sequence(seq)
-    prompts = {seq: [rng.randrange(vocab) for _ in range(n)] for seq, n in lengths.items()}
 
     def both(requests: list[FeedRequest]) -> None:
         outs = [decoder.feed_batch(requests) for decoder in (in_place, standard)]
@@ -48,37 +46,50 @@ def test_in_place_calls_match_the_standard_graph_through_rewinds_batches_and_gro
             for name in want.extras:
                 np.testing.assert_allclose(got.extras[name], want.extras[name], atol=1e-4)
 
-    for seq, prompt in prompts.items():
-        both([FeedRequest(seq, prompt, 0)])
-    previous, after_batch, grew = in_place.cache.kept_session("a").buffer, False, 0
+    def add(seq: str, length: int) -> None:
+        for decoder in (in_place, standard):
+            decoder.cache.add_sequence(seq)
+        both([FeedRequest(seq, [rng.randrange(vocab) for _ in range(length)], 0)])
+
+    add("a", 30)
+    length = 30
+    previous, after_batch, grew, on_twin = in_place.cache.kept_session("a").buffer, False, 0, 1
     for round_ in range(100):  # "a" outgrows its buffer (128 slots after its prefill) and the next
         drafts = [rng.randrange(vocab) for _ in range(5)]
-        both([FeedRequest("a", drafts, lengths["a"])])
+        both([FeedRequest("a", drafts, length)])
+        on_twin += 1
         buffer = in_place.cache.kept_session("a").buffer
         if buffer is not previous:  # a new buffer only after a batched call's row, or to grow
-            assert after_batch or lengths["a"] + 5 > previous.capacity
+            assert after_batch or length + 5 > previous.capacity
             grew += not after_batch
         previous, after_batch = buffer, False
-        lengths["a"] += 1 + round_ % 4  # the rest rejected: a rewind, i.e. a shorter length
+        length += 1 + round_ % 4  # the rest rejected: a rewind, i.e. a shorter length
         for decoder in (in_place, standard):
-            decoder.cache.rewind("a", lengths["a"])
-        if round_ in (7, 22):  # batched calls in between: "a"'s next buffer starts from its row
-            both([FeedRequest("a", [rng.randrange(vocab)], lengths["a"]),
-                  FeedRequest("b", [rng.randrange(vocab) for _ in range(2)], lengths["b"])])
-            lengths["a"] += 1
-            lengths["b"] += 2
+            decoder.cache.rewind("a", length)
+        if round_ in (7, 22):  # "b" joins for a batched call; "a"'s next buffer starts from its row
+            calls = in_place.in_place.calls
+            add("b", 12)
+            both([FeedRequest("a", [rng.randrange(vocab)], length), FeedRequest("b", [1, 2], 12)])
+            both([FeedRequest("b", [3], 14)])
+            assert in_place.in_place.calls == calls  # not alone: the standard graph, every call
+            for seq in ("a", "b"):  # what the pools and a shared-KV head read
+                for (k1, v1), (k2, v2) in zip(in_place.cache.materialize(seq), standard.cache.materialize(seq)):
+                    np.testing.assert_allclose(k1, k2, atol=1e-4)
+                    np.testing.assert_allclose(v1, v2, atol=1e-4)
+            for decoder in (in_place, standard):
+                decoder.cache.free("b")
+            length += 1
             after_batch = True
-    assert grew >= 1 and lengths["a"] > 256
-    for seq in lengths:  # what the pools and a shared-KV head read afterwards
-        for (k1, v1), (k2, v2) in zip(in_place.cache.materialize(seq), standard.cache.materialize(seq)):
-            np.testing.assert_allclose(k1, k2, atol=1e-4)
-            np.testing.assert_allclose(v1, v2, atol=1e-4)
-        layer = len(standard.decoder.layers) // 2
-        for got, want in zip(in_place.cache.slice(seq, layer), standard.cache.slice(seq, layer)):
-            np.testing.assert_allclose(got, want, atol=1e-4)
-    assert in_place.in_place.calls - calls_at_load == 102  # two prefills, every single call after them
-    # Prefills, the 2 calls after a batched one, the growths; every other call in place.
-    assert in_place.buffers_made == 2 + 2 + grew
+    assert grew >= 1 and length > 256
+    layer = len(standard.decoder.layers) // 2
+    for (k1, v1), (k2, v2) in zip(in_place.cache.materialize("a"), standard.cache.materialize("a")):
+        np.testing.assert_allclose(k1, k2, atol=1e-4)
+        np.testing.assert_allclose(v1, v2, atol=1e-4)
+    for got, want in zip(in_place.cache.slice("a", layer), standard.cache.slice("a", layer)):
+        np.testing.assert_allclose(got, want, atol=1e-4)
+    assert in_place.in_place.calls - calls_at_load == on_twin == 101  # "a"'s prefill and every round alone
+    # The prefill, the 2 rounds after a batched call, the growths; every other round in place.
+    assert in_place.buffers_made == 1 + 2 + grew
 
 
 @pytest.mark.parametrize("mode", ["none", "eagle3", "draft_model"])
@@ -130,3 +141,13 @@ def test_a_twin_that_disagrees_with_its_graph_is_not_used(tmp_path, caplog):
 def test_a_sliding_window_or_the_switch_keeps_the_standard_graph():
     assert CachedDecoder(DRAFT_DIR, CPU_CONFIG.model_copy(update={"sliding_window": 64})).in_place is None
     assert CachedDecoder(DRAFT_DIR, STANDARD).in_place is None
+
+
+def test_with_one_thread_the_twin_serves_batch_1_calls_among_other_sequences():
+    """No thread pool, nothing to fight over: a one-thread decoder (the draft model's, by
+    default) runs every batch-1 call in place, however many sequences it holds."""
+    decoder = CachedDecoder(DRAFT_DIR, CPU_CONFIG.model_copy(update={"intra_op_threads": 1}))
+    for seq in (0, 1):
+        decoder.cache.add_sequence(seq)
+        decoder.feed(seq, [1, 2, 3], 0)
+    assert decoder.in_place.calls - 2 == 2 and decoder.buffers_made == 2  # 2: the load-time check

@@ -101,8 +101,7 @@ class CachedDecoder:
         session_layout = self.decoder.io.position_ids is not None and self.cache.sliding_window is None
         if session_layout and len(requests) > 1:
             return self._feed_batched(requests)
-        if session_layout and self.in_place is not None \
-                and requests[0].first_position == self.cache.length(requests[0].seq_id):
+        if session_layout and self._twin_serves(requests[0]):
             return [self._feed_in_place(requests[0])]
         pasts = [self.cache.session_past(r.seq_id) if session_layout else self.cache.gathered_past(r.seq_id)
                  for r in requests]
@@ -141,6 +140,16 @@ class CachedDecoder:
             outputs.append(SequenceOutput(out.logits[i, : new_lens[i]],
                                           {name: value[i, : new_lens[i]] for name, value in out.extras.items()}))
         return outputs
+
+    def _twin_serves(self, request: FeedRequest) -> bool:
+        """Whether this batch-1 call runs on the in-place twin: where there is one, its
+        positions are the slot indices, and either the decoder serves no other sequence or
+        its sessions run on one thread. Two sessions whose thread pools spin after each run
+        (the in-process target's, on its own cores) fight over the cores when their calls
+        alternate -- a batched verify, then a prefill on the twin, then another verify: at 4
+        streams that cost 15-25 % (target-only and EAGLE-3, same bench, interleaved)."""
+        return (self.in_place is not None and request.first_position == self.cache.length(request.seq_id)
+                and (self.config.intra_op_threads == 1 or len(self.cache.sequences()) == 1))
 
     def _feed_in_place(self, request: FeedRequest) -> SequenceOutput:
         """``feed_batch`` at batch 1 on the in-place twin: the new tokens' KV lands in the
