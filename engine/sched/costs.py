@@ -167,14 +167,21 @@ class VerifyCostModel:
         self.overheads: dict[int, tuple[tuple[float], int]] = {}  # bucket -> ((seconds,), rounds)
         # bucket -> ((table seconds, real seconds) averaged, calls) of calls of several plain rounds
         self.several: dict[int, tuple[tuple[float, float], int]] = {}
+        # bucket -> its ``_kinds``, until the next call is learnt: a plan prices a dozen
+        # calls of one bucket, and recounting the kinds for each was a third of its time
+        self._known_kinds: dict[int, tuple] = {}
 
     def _kinds(self, batch: int):
         """The bucket's (plain, drafting) means, each None until seen often enough."""
         bucket = load_bucket(batch)
-        plain, drafting = self.calls.get((bucket, False)), self.calls.get((bucket, True))
-        seen = sum(kind[1] for kind in (plain, drafting) if kind is not None)
-        return tuple(kind if kind is not None and kind[1] >= max(MIN_KIND_CALLS, MIN_KIND_SHARE * seen) else None
-                     for kind in (plain, drafting))
+        known = self._known_kinds.get(bucket)
+        if known is None:
+            plain, drafting = self.calls.get((bucket, False)), self.calls.get((bucket, True))
+            seen = sum(kind[1] for kind in (plain, drafting) if kind is not None)
+            known = self._known_kinds[bucket] = tuple(
+                kind if kind is not None and kind[1] >= max(MIN_KIND_CALLS, MIN_KIND_SHARE * seen) else None
+                for kind in (plain, drafting))
+        return known
 
     def _line(self, batch: int) -> tuple[float, float, float] | None:
         """(table seconds, real seconds, slope) of the line through the two kinds' means,
@@ -243,6 +250,7 @@ class VerifyCostModel:
             (mean_table, mean_real), _ = seen
             seconds = min(seconds, OUTLIER * table * mean_real / mean_table)
         _learn(self.calls, key, (table, seconds), self.smoothing)
+        self._known_kinds.pop(key[0], None)
 
     def observe_overhead(self, batch: int, seconds: float) -> None:
         """A round of ``batch`` sequences spent ``seconds`` outside its proposer and
