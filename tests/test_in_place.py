@@ -151,3 +151,12 @@ def test_with_one_thread_the_twin_serves_batch_1_calls_among_other_sequences():
         decoder.cache.add_sequence(seq)
         decoder.feed(seq, [1, 2, 3], 0)
     assert decoder.in_place.calls - 2 == 2 and decoder.buffers_made == 2  # 2: the load-time check
+
+
+def test_a_twin_onnxruntime_cannot_load_is_not_used(tmp_path, caplog):
+    model = _copy_model(tmp_path)
+    (model / IN_PLACE_FILE).write_bytes(b"not an onnx graph")
+    with caplog.at_level(logging.WARNING, logger="specserve.engine"):
+        decoder = CachedDecoder(model, CPU_CONFIG)
+    assert decoder.in_place is None
+    assert "cannot load" in caplog.text

@@ -160,7 +160,8 @@ class CachedDecoder:
         live one."""
         seq_id = request.seq_id
         past = self.cache.session_past(seq_id, compact=False)
-        length, needed = self.cache.length(seq_id), self.cache.length(seq_id) + len(request.tokens)
+        length = self.cache.length(seq_id)
+        needed = length + len(request.tokens)
         buffer = past.buffer
         if not (isinstance(buffer, KVBuffer) and past.contiguous and needed <= buffer.capacity):
             buffer = self.in_place.new_buffer(buffer_capacity(needed, self.max_context))

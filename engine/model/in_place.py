@@ -31,6 +31,7 @@ from engine.model.providers import session_options
 IN_PLACE_FILE = "model.inplace.onnx"  # written beside model.onnx by modelbuild.fused_graph
 CAPACITY_STEP = 64                    # buffers grow in whole steps of this many slots
 CHECK_TOLERANCE = 1e-3                # load-time agreement with the standard graph (logits)
+_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 log = logging.getLogger("specserve.engine")
 
 
@@ -79,8 +80,9 @@ class InPlaceDecoder:
         self.past_names = list(io.past_keys + io.past_values)
         self.present_names = list(io.present_keys + io.present_values)
         self.output_names = [io.logits, *io.extra_outputs]
-        widths = {o.name: o.shape[-1] for o in self.session.get_outputs()}
-        self.output_widths = [widths[name] for name in self.output_names]  # [1, S, width] each
+        declared = {o.name: o for o in self.session.get_outputs()}
+        # [1, S, width] each, in the dtype the graph declares
+        self.output_shapes = [(declared[name].shape[-1], _DTYPES[declared[name].type]) for name in self.output_names]
         self.calls = 0  # runs so far (tests check that the path is taken)
 
     @classmethod
@@ -96,7 +98,13 @@ class InPlaceDecoder:
         if standard.session.get_providers()[0] != "CPUExecutionProvider" or standard.io.position_ids is None:
             log.info("%s not used: the in-place twin serves CPU sessions of graphs with position_ids", path)
             return None
-        twin = cls(standard, path, intra_op_threads, thread_spinning)
+        try:
+            twin = cls(standard, path, intra_op_threads, thread_spinning)
+        except (ort.capi.onnxruntime_pybind11_state.Fail, ort.capi.onnxruntime_pybind11_state.InvalidGraph,
+                ort.capi.onnxruntime_pybind11_state.InvalidProtobuf, KeyError) as exc:
+            log.warning("%s not used: onnxruntime cannot load it or it lacks %s's outputs (%s)", path,
+                        standard.onnx_path, exc)
+            return None
         inputs = {i.name for i in twin.session.get_inputs()}
         outputs = {o.name for o in twin.session.get_outputs()}
         expected_in = {standard.io.input_ids, standard.io.attention_mask, *twin.past_names}
@@ -150,7 +158,7 @@ class InPlaceDecoder:
         binding.bind_cpu_input(self.standard.io.attention_mask, np.ones((1, length + new), np.int64))
         outputs = buffer.outputs.get(new)
         if outputs is None:
-            arrays = [np.empty((1, new, width), np.float32) for width in self.output_widths]
+            arrays = [np.empty((1, new, width), dtype) for width, dtype in self.output_shapes]
             outputs = buffer.outputs[new] = [(a, ort.OrtValue.ortvalue_from_numpy(a)) for a in arrays]
         if buffer.bound_width != new:
             for name, (_, value) in zip(self.output_names, outputs):
@@ -159,5 +167,5 @@ class InPlaceDecoder:
         self.session.run_with_iobinding(binding)
         self.calls += 1
         # Copies: the arrays are this buffer's, rewritten by its next call of this width.
-        logits = outputs[0][0].copy()
+        logits = outputs[0][0].astype(np.float32)
         return logits, {name: array.copy() for name, (array, _) in zip(self.output_names[1:], outputs[1:])}
