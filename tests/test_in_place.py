@@ -143,14 +143,19 @@ def test_a_sliding_window_or_the_switch_keeps_the_standard_graph():
     assert CachedDecoder(DRAFT_DIR, STANDARD).in_place is None
 
 
-def test_with_one_thread_the_twin_serves_batch_1_calls_among_other_sequences():
-    """No thread pool, nothing to fight over: a one-thread decoder (the draft model's, by
-    default) runs every batch-1 call in place, however many sequences it holds."""
-    decoder = CachedDecoder(DRAFT_DIR, CPU_CONFIG.model_copy(update={"intra_op_threads": 1}))
-    for seq in (0, 1):
-        decoder.cache.add_sequence(seq)
-        decoder.feed(seq, [1, 2, 3], 0)
-    assert decoder.in_place.calls - 2 == 2 and decoder.buffers_made == 2  # 2: the load-time check
+@pytest.mark.parametrize("change", [{"intra_op_threads": 1}, {"thread_spinning": False}],
+                         ids=["one thread", "no spinning"])
+def test_without_a_spinning_pool_the_twin_serves_batch_1_calls_among_other_sequences(change):
+    """No pool spinning after its runs, nothing to fight over: a one-thread decoder (the
+    draft model's, by default) or one that does not spin (a Serve replica's) runs every
+    batch-1 call in place, however many sequences it holds; a spinning one does not."""
+    for config, expected in ((CPU_CONFIG.model_copy(update=change), 2), (CPU_CONFIG, 1)):
+        decoder = CachedDecoder(DRAFT_DIR, config)
+        for seq in (0, 1):
+            decoder.cache.add_sequence(seq)
+            decoder.feed(seq, [1, 2, 3], 0)
+        assert decoder.in_place.calls - 2 == expected  # 2: the load-time check's runs
+        assert decoder.buffers_made == expected
 
 
 def test_a_twin_onnxruntime_cannot_load_is_not_used(tmp_path, caplog):

@@ -64,6 +64,8 @@ class CachedDecoder:
                                   sink_tokens=self.config.sink_tokens)
         self.batch_layouts = BatchLayouts(self.cache)
         self.in_place = None  # the batch-1 twin, where the model has one and the cache allows it
+        # Whether this decoder's sessions keep a thread pool spinning after each run.
+        self._pools_spin = self.config.spinning(owns_cores) and self.config.intra_op_threads != 1
         if self.config.in_place_kv and self.config.sliding_window is None:
             self.in_place = InPlaceDecoder.load(self.decoder, self.config.intra_op_threads,
                                                 self.config.spinning(owns_cores))
@@ -144,12 +146,13 @@ class CachedDecoder:
     def _twin_serves(self, request: FeedRequest) -> bool:
         """Whether this batch-1 call runs on the in-place twin: where there is one, its
         positions are the slot indices, and either the decoder serves no other sequence or
-        its sessions run on one thread. Two sessions whose thread pools spin after each run
-        (the in-process target's, on its own cores) fight over the cores when their calls
-        alternate -- a batched verify, then a prefill on the twin, then another verify: at 4
-        streams that cost 15-25 % (target-only and EAGLE-3, same bench, interleaved)."""
+        its sessions keep no thread pool spinning (one thread, or spinning off, as in a
+        Serve replica). The standard session's pool spins after each batched call, and
+        when twin and standard calls alternate on their own cores -- a batched verify, a
+        prefill on the twin, the next verify -- the two fight over them: at 4 streams
+        in-process that cost 15-25 % (target-only and EAGLE-3, same bench, interleaved)."""
         return (self.in_place is not None and request.first_position == self.cache.length(request.seq_id)
-                and (self.config.intra_op_threads == 1 or len(self.cache.sequences()) == 1))
+                and (not self._pools_spin or len(self.cache.sequences()) == 1))
 
     def _feed_in_place(self, request: FeedRequest) -> SequenceOutput:
         """``feed_batch`` at batch 1 on the in-place twin: the new tokens' KV lands in the
