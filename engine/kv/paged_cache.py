@@ -94,18 +94,13 @@ class SessionPast:
     values: list[np.ndarray]
     alive: np.ndarray  # bool [T]
     # The preallocated buffer these tensors are views of, when an in-place call wrote them
-    # (``engine.model.in_place``): its next call may write right after the live slots.
+    # (``engine.model.in_place``): its next call may write right after the live slots. Its
+    # live slots are always a prefix (written all alive; a rewind only kills a tail).
     buffer: object | None = None
 
     @property
     def dead(self) -> int:
         return int(self.alive.size - np.count_nonzero(self.alive))
-
-    @property
-    def contiguous(self) -> bool:
-        """Every live slot comes before every dead one (a rewind only ever kills a tail)."""
-        live = int(np.count_nonzero(self.alive))
-        return bool(self.alive[:live].all())
 
     def live(self) -> slice | np.ndarray:
         """Index of the live slots along the slot axis, in order (a plain slice when no
@@ -209,6 +204,10 @@ class PagedKVCache:
 
     def sequences(self) -> list:
         return list(self._seqs)
+
+    @property
+    def sequence_count(self) -> int:
+        return len(self._seqs)
 
     def _get(self, seq_id: Hashable) -> _Seq:
         try:

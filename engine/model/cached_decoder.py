@@ -152,21 +152,20 @@ class CachedDecoder:
         prefill on the twin, the next verify -- the two fight over them: at 4 streams
         in-process that cost 15-25 % (target-only and EAGLE-3, same bench, interleaved)."""
         return (self.in_place is not None and request.first_position == self.cache.length(request.seq_id)
-                and (not self._pools_spin or len(self.cache.sequences()) == 1))
+                and (not self._pools_spin or self.cache.sequence_count == 1))
 
     def _feed_in_place(self, request: FeedRequest) -> SequenceOutput:
         """``feed_batch`` at batch 1 on the in-place twin: the new tokens' KV lands in the
         sequence's buffer right after its live slots, and that buffer (views of it) becomes
         its session copy, so the next call, after a rewind or not, goes on in place. A new
         buffer, holding a copy of the live past, only where the session copy is no
-        buffer's (a prefill, a batched call's row), is full, or has a dead slot before a
-        live one."""
+        buffer's (a prefill, a batched call's row) or the buffer is full."""
         seq_id = request.seq_id
         past = self.cache.session_past(seq_id, compact=False)
         length = self.cache.length(seq_id)
         needed = length + len(request.tokens)
         buffer = past.buffer
-        if not (isinstance(buffer, KVBuffer) and past.contiguous and needed <= buffer.capacity):
+        if not (isinstance(buffer, KVBuffer) and needed <= buffer.capacity):
             buffer = self.in_place.new_buffer(buffer_capacity(needed, self.max_context))
             live = past.live()
             for layer, (key, value) in enumerate(zip(past.keys, past.values)):

@@ -25,13 +25,12 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from engine.model.onnx_model import OnnxDecoder
+from engine.model.onnx_model import _ORT_DTYPES, OnnxDecoder
 from engine.model.providers import session_options
 
 IN_PLACE_FILE = "model.inplace.onnx"  # written beside model.onnx by modelbuild.fused_graph
 CAPACITY_STEP = 64                    # buffers grow in whole steps of this many slots
 CHECK_TOLERANCE = 1e-3                # load-time agreement with the standard graph (logits)
-_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 log = logging.getLogger("specserve.engine")
 
 
@@ -82,7 +81,8 @@ class InPlaceDecoder:
         self.output_names = [io.logits, *io.extra_outputs]
         declared = {o.name: o for o in self.session.get_outputs()}
         # [1, S, width] each, in the dtype the graph declares
-        self.output_shapes = [(declared[name].shape[-1], _DTYPES[declared[name].type]) for name in self.output_names]
+        self.output_shapes = [(declared[name].shape[-1], _ORT_DTYPES[declared[name].type])
+                              for name in self.output_names]
         self.calls = 0  # runs so far (tests check that the path is taken)
 
     @classmethod

@@ -159,26 +159,27 @@ class SequenceDriver:
         if self.resuming:
             self.resuming = False
             return []
-        committed = commit_outcome(self.state, outcome)
         if not self.prefilled:
+            commit_outcome(self.state, outcome)
             self.prefilled = True
             return []
-        record_round(self.stats, len(self._drafts), outcome.accepted, committed)
+        rounds = [self._commit(outcome, len(self._drafts))]
+        for step in more:  # plain rounds: no drafts
+            if self.finished:
+                break
+            rounds.append(self._commit(step, 0))
+        return rounds
+
+    def _commit(self, outcome: RoundOutcome, drafts: int) -> VerifiedRound:
+        """Commit one verify round that checked ``drafts`` drafts: the tokens, the stats and
+        what the in-coordinator proposer learns."""
+        committed = commit_outcome(self.state, outcome)
+        record_round(self.stats, drafts, outcome.accepted, committed)
         self._last_accepted = outcome.accepted
         if self.local_proposer is not None:
             self.local_proposer.accept(AcceptContext(outcome.accepted, outcome.tokens[:committed],
                                                      list(self.state.tokens)))
-        rounds = [VerifiedRound(len(self._drafts), outcome.accepted, committed)]
-        for step in more:  # plain rounds: no drafts
-            if self.finished:
-                break
-            committed = commit_outcome(self.state, step)
-            record_round(self.stats, 0, 0, committed)
-            self._last_accepted = 0
-            if self.local_proposer is not None:
-                self.local_proposer.accept(AcceptContext(0, step.tokens[:committed], list(self.state.tokens)))
-            rounds.append(VerifiedRound(0, 0, committed))
-        return rounds
+        return VerifiedRound(drafts, outcome.accepted, committed)
 
     def lost_target(self) -> None:
         """The target holding this sequence's KV is gone: re-prefill what is committed."""
