@@ -299,6 +299,49 @@ def test_session_appends_are_refused_under_a_window_and_when_nothing_is_new():
     assert cache.length("a") == 0
 
 
+class _Buffer:
+    """What ``append_in_buffer`` reads of an in-place buffer (``engine.model.in_place.KVBuffer``,
+    whose session binding is irrelevant here): per layer ``[1, heads, capacity, dim]``."""
+
+    def __init__(self, capacity: int, seed: int) -> None:
+        self.keys, self.values = _kv(capacity, seed=seed, batch_axis=True)
+
+
+def test_an_in_place_buffer_becomes_the_session_copy_read_lazily_and_rewound_by_length():
+    cache = _cache()
+    cache.add_sequence("a")
+    buffer = _Buffer(12, seed=5)
+    cache.append_in_buffer("a", buffer, 6)
+    past = cache.session_past("a", compact=False)
+    assert past.buffer is buffer and past.dead == 0 and past.keys[1].shape == (1, 3, 6, 16)
+    assert np.shares_memory(past.keys[0], buffer.keys[0])  # views of the buffer, not copies
+    cache.append_in_buffer("a", buffer, 9)  # the next call wrote slots 6..8 in place
+    assert cache.length("a") == 9 and len(cache.block_table("a")) == 3
+    cache.rewind("a", 7)
+    past = cache.session_past("a", compact=False)
+    assert past.alive.tolist() == [True] * 7 + [False] * 2 and past.dead == 2
+    np.testing.assert_array_equal(cache.materialize("a")[1][1], buffer.values[1][:, :, :7])  # pools = buffer prefix
+
+
+def test_in_place_appends_are_refused_when_nothing_is_new_or_the_buffer_does_not_fit():
+    cache = _cache()
+    cache.add_sequence("a")
+    cache.append_in_buffer("a", _Buffer(8, seed=6), 4)
+    with pytest.raises(ValueError, match="nothing new"):
+        cache.append_in_buffer("a", _Buffer(8, seed=6), 4)
+    with pytest.raises(ValueError, match="cache geometry"):
+        cache.append_in_buffer("a", _Buffer(8, seed=6), 9)  # more slots than the buffer holds
+    wrong = _Buffer(8, seed=7)
+    wrong.keys = wrong.keys[:1]
+    with pytest.raises(ValueError, match="cache geometry"):
+        cache.append_in_buffer("a", wrong, 6)
+    assert cache.length("a") == 4 and len(cache.block_table("a")) == 1  # nothing changed
+    windowed = _cache(sliding_window=6, sink_tokens=2)
+    windowed.add_sequence("a")
+    with pytest.raises(ValueError, match="sliding window"):
+        windowed.append_in_buffer("a", _Buffer(8, seed=6), 3)
+
+
 def test_capacity_error_is_typed_and_leaves_everything_intact():
     cache = _cache(num_blocks=4)
     cache.add_sequence("a")

@@ -84,28 +84,58 @@ class _Seq:
         return self.end - self.dropped
 
 
-@dataclass
 class SessionPast:
     """A sequence's past as the model session consumes it: per layer ``[1, heads, T, dim]``
     key/value tensors whose slot ``t`` is a real retained token iff ``alive[t]``. Dead
     slots (rejected drafts, batch padding) are closed by the attention mask."""
 
-    keys: list[np.ndarray]
-    values: list[np.ndarray]
-    alive: np.ndarray  # bool [T]
-    # The preallocated buffer these tensors are views of, when an in-place call wrote them
-    # (``engine.model.in_place``): its next call may write right after the live slots. Its
-    # live slots are always a prefix (written all alive; a rewind only kills a tail).
-    buffer: object | None = None
+    __slots__ = ("_keys", "_values", "_alive", "slots", "buffer")
+
+    def __init__(self, keys: list[np.ndarray] | None, values: list[np.ndarray] | None, alive: np.ndarray | None,
+                 buffer: object | None = None, slots: int | None = None) -> None:
+        self._keys, self._values = keys, values
+        self._alive = alive  # bool [T]; None: all ``slots`` alive (made on first read)
+        self.slots = alive.size if alive is not None else slots  # T
+        # The preallocated buffer these tensors are views of, when an in-place call wrote
+        # them (``engine.model.in_place``): its next call may write right after the live
+        # slots. Its live slots are always a prefix (written all alive; a rewind only kills a tail).
+        self.buffer = buffer
+
+    @classmethod
+    def in_buffer(cls, buffer: object, length: int) -> "SessionPast":
+        """The first ``length`` slots of an in-place buffer (``buffer.keys``/``.values``,
+        per layer ``[1, heads, capacity, dim]``), all alive. The per-layer views are made
+        on first read: a decode step's copy is usually replaced by the next step's unread,
+        and 32 views a step were a measurable share of the engine's time per token."""
+        return cls(None, None, None, buffer, slots=length)
+
+    @property
+    def alive(self) -> np.ndarray:
+        """Which slots are real (a rewind writes False into it)."""
+        if self._alive is None:
+            self._alive = np.ones(self.slots, np.bool_)
+        return self._alive
+
+    @property
+    def keys(self) -> list[np.ndarray]:
+        if self._keys is None:
+            self._keys = [key[:, :, : self.slots] for key in self.buffer.keys]  # type: ignore[attr-defined]
+        return self._keys
+
+    @property
+    def values(self) -> list[np.ndarray]:
+        if self._values is None:
+            self._values = [value[:, :, : self.slots] for value in self.buffer.values]  # type: ignore[attr-defined]
+        return self._values
 
     @property
     def dead(self) -> int:
-        return int(self.alive.size - np.count_nonzero(self.alive))
+        return 0 if self._alive is None else int(self.slots - np.count_nonzero(self._alive))
 
     def live(self) -> slice | np.ndarray:
         """Index of the live slots along the slot axis, in order (a plain slice when no
         slot is dead, so taking them is a view, not a gather)."""
-        return slice(None) if self.alive.all() else np.flatnonzero(self.alive)
+        return slice(None) if self._alive is None or self._alive.all() else np.flatnonzero(self._alive)
 
 
 # Re-gather from the pools once dead slots are this many and this share of the copy:
@@ -255,6 +285,10 @@ class PagedKVCache:
 
     def _plan_append(self, s: _Seq, n: int) -> _AppendPlan:
         end = s.end + n
+        if self.sliding_window is None and s.dropped == 0:
+            # Nothing is ever evicted: only the whole blocks past the table (a decode step
+            # plans twice; the general rule below was the largest part of its Python).
+            return _AppendPlan(end, 0, tuple(range(len(s.table), _ceil_div(end, self.block_size))), 0)
         dropped = self._window_dropped(end - s.dropped, s.dropped)
         dead = self._dead_blocks(dropped)
         reclaim = sum(1 for b in self._newly_dead(s, dropped) if b < len(s.table) and s.table[b] is not None)
@@ -358,6 +392,26 @@ class PagedKVCache:
                              f"matching the cache geometry")
         self._allocate(seq_id, s, n)
         s.session = SessionPast(list(keys), list(values), alive, buffer)
+
+    def append_in_buffer(self, seq_id: Hashable, buffer: object, length: int) -> None:
+        """``append_from_session`` for an in-place call: the first ``length`` slots of
+        ``buffer`` (``engine.model.in_place.KVBuffer``) are the sequence's whole retained
+        past, all alive, and become its session copy. Atomic like ``append``."""
+        if self.sliding_window is not None:
+            raise ValueError("append_in_buffer needs a cache without a sliding window; use append")
+        s = self._get(seq_id)
+        n = length - s.length
+        if n < 1:
+            raise ValueError(f"the buffer holds {length} live slots; sequence {seq_id!r} already retains "
+                             f"{s.length}, so there is nothing new to append")
+        keys = buffer.keys  # type: ignore[attr-defined]
+        first = self.layers[0]
+        if len(keys) != len(self.layers) or keys[0].shape[1] != first.num_kv_heads \
+                or keys[0].shape[3] != first.head_dim or keys[0].shape[2] < length:
+            raise ValueError(f"the buffer must hold {length} slots in one [1, heads, capacity, dim] tensor per "
+                             f"layer matching the cache geometry")
+        self._allocate(seq_id, s, n)
+        s.session = SessionPast.in_buffer(buffer, length)
 
     def _allocate(self, seq_id: Hashable, s: _Seq, n: int) -> int:
         """Give the sequence ``n`` more token slots (and blocks), applying the window;

@@ -173,9 +173,7 @@ class CachedDecoder:
                 buffer.values[layer][:, :, :length] = value[:, :, live]
             self.buffers_made += 1
         logits, extras = self.in_place.run(buffer, length, np.asarray([request.tokens]))
-        self.cache.append_from_session(seq_id, [key[:, :, :needed] for key in buffer.keys],
-                                       [value[:, :, :needed] for value in buffer.values],
-                                       np.ones(needed, np.bool_), buffer)
+        self.cache.append_in_buffer(seq_id, buffer, needed)
         return SequenceOutput(logits[0], {name: value[0] for name, value in extras.items()})
 
     def _feed_batched(self, requests: Sequence[FeedRequest]) -> list[SequenceOutput]:

@@ -47,7 +47,11 @@ class KVBuffer:
     # New-token count -> preallocated outputs (arrays and the OrtValues over them): bound
     # per call, so no call allocates its outputs or wraps every bound output to find them.
     outputs: dict[int, list[tuple[np.ndarray, ort.OrtValue]]] = field(default_factory=dict)
-    bound_width: int = 0  # the new-token count whose outputs are bound now (bindings persist across runs)
+    # New-token count -> the input_ids array bound while that count is: a run writes its
+    # tokens into it rather than binding a new array (onnxruntime reads the bound memory).
+    input_ids: dict[int, np.ndarray] = field(default_factory=dict)
+    bound_width: int = 0  # the new-token count whose arrays are bound now (bindings persist across runs)
+    mask: np.ndarray | None = None  # [1, capacity] ones: each run binds a prefix of it as its attention mask
 
     @property
     def capacity(self) -> int:
@@ -154,16 +158,21 @@ class InPlaceDecoder:
         if length + new > buffer.capacity:
             raise ValueError(f"{length} + {new} tokens do not fit a buffer of {buffer.capacity} slots")
         binding = buffer.binding
-        binding.bind_cpu_input(self.standard.io.input_ids, np.ascontiguousarray(input_ids, self.standard.ids_dtype))
-        binding.bind_cpu_input(self.standard.io.attention_mask, np.ones((1, length + new), np.int64))
         outputs = buffer.outputs.get(new)
         if outputs is None:
             arrays = [np.empty((1, new, width), dtype) for width, dtype in self.output_shapes]
             outputs = buffer.outputs[new] = [(a, ort.OrtValue.ortvalue_from_numpy(a)) for a in arrays]
+            buffer.input_ids[new] = np.empty((1, new), self.standard.ids_dtype)
+        ids = buffer.input_ids[new]
+        ids[:] = input_ids
         if buffer.bound_width != new:
+            binding.bind_cpu_input(self.standard.io.input_ids, ids)
             for name, (_, value) in zip(self.output_names, outputs):
                 binding.bind_ortvalue_output(name, value)
             buffer.bound_width = new
+        if buffer.mask is None:
+            buffer.mask = np.ones((1, buffer.capacity), np.int64)
+        binding.bind_cpu_input(self.standard.io.attention_mask, buffer.mask[:, : length + new])
         self.session.run_with_iobinding(binding)
         self.calls += 1
         # Copies: the arrays are this buffer's, rewritten by its next call of this width.

@@ -227,7 +227,7 @@ class TargetWorker:
                                                                             seq.needs.shared_kv_layers))
         if anchor is not outcome.anchor:
             outcome = dataclasses.replace(outcome, anchor=anchor)
-        return TargetResult(seq_id, outcome, tuple(dataclasses.replace(o, anchor=Anchor()) for o in more),
+        return TargetResult(seq_id, outcome, tuple(RoundOutcome(o.accepted, o.tokens, o.logprobs, Anchor()) for o in more),
                             kv_length=self.target.cache.length(seq_id))
 
 

@@ -31,7 +31,7 @@ def verify(logits: np.ndarray, drafts: Sequence[int], draft_probs: np.ndarray | 
     """``logits[i]`` is the target's output after ``context + drafts[:i]`` (len(drafts)+1 rows)."""
     if len(logits) != len(drafts) + 1:
         raise ValueError(f"need {len(drafts) + 1} logit rows for {len(drafts)} drafts, got {len(logits)}")
-    prefix = list(context)
+    prefix = list(context) if drafts else context  # extended per accepted draft below
     for i, draft in enumerate(drafts):
         if options.greedy:
             choice = int(np.argmax(processed_logits(logits[i], prefix, options)))
