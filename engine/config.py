@@ -86,6 +86,11 @@ class EngineConfig(BaseModel):
         "run calls at batch 1 on a model's in-place twin (model.inplace.onnx beside model.onnx, when present): "
         "one preallocated KV buffer per sequence that the session writes in place, so no call copies the past "
         "(measured 0.88x the time per call here); batched calls always run the standard graph"))
+    in_place_threads: int | None = Field(None, ge=1, description=(
+        "onnxruntime threads of the target's in-place twin, which serves its calls at batch 1; None = "
+        "intra_op_threads. More than one makes them spin within a run (never after it) even where the target's "
+        "threads otherwise sleep, as in a Serve replica's worker: there a lone sequence's calls (a lightly "
+        "loaded replica) may use cores beyond the worker's reservation, and batched calls keep to it"))
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import shutil
 
@@ -156,6 +157,43 @@ def test_without_a_spinning_pool_the_twin_serves_batch_1_calls_among_other_seque
             decoder.feed(seq, [1, 2, 3], 0)
         assert decoder.in_place.calls - 2 == expected  # 2: the load-time check's runs
         assert decoder.buffers_made == expected
+
+
+def _pool(session) -> tuple[int, str | None, str | None]:
+    """(intra-op threads, allow_spinning, force_spinning_stop) a session was made with."""
+    options = session.get_session_options()
+
+    def entry(key: str) -> str | None:
+        try:
+            return options.get_session_config_entry(key)
+        except RuntimeError:  # onnxruntime raises for a key never set
+            return None
+
+    return (options.intra_op_num_threads, entry("session.intra_op.allow_spinning"),
+            entry("session.force_spinning_stop"))
+
+
+def test_in_place_threads_give_the_twin_its_own_pool_spinning_only_within_a_run():
+    """A Serve replica's worker: one sleeping thread for batched calls (its reservation),
+    ``in_place_threads`` for its batch-1 calls, spinning within a run (threads that sleep
+    between ops wake for every one), never after it."""
+    worker = CPU_CONFIG.model_copy(update={"intra_op_threads": 1, "thread_spinning": False, "in_place_threads": 2})
+    decoder = CachedDecoder(DRAFT_DIR, worker)
+    assert _pool(decoder.in_place.session) == (2, None, "1")
+    assert _pool(decoder.decoder.session) == (1, "0", None)
+    # Unset, the twin takes the target's own threads and spinning.
+    asleep = CachedDecoder(DRAFT_DIR, worker.model_copy(update={"in_place_threads": None, "intra_op_threads": 2}))
+    assert _pool(asleep.in_place.session) == (2, "0", None)
+
+
+def test_a_workers_batch_1_calls_get_two_threads_unless_configured():
+    from deployments.workers import LONE_SEQUENCE_THREADS, worker_config
+
+    assert worker_config({"intra_op_threads": 1}).in_place_threads == max(1, min(LONE_SEQUENCE_THREADS,
+                                                                               os.cpu_count() or 1))
+    assert worker_config({"intra_op_threads": 4}).in_place_threads == 4  # never fewer than the reservation's
+    assert worker_config({"intra_op_threads": 1, "in_place_threads": 1}).in_place_threads == 1
+    assert worker_config({"intra_op_threads": 1}).spinning(owns_cores=False) is False  # batched calls sleep
 
 
 def test_a_twin_onnxruntime_cannot_load_is_not_used(tmp_path, caplog):

@@ -144,7 +144,7 @@ def load_proposer(mode: str, bundle: Bundle, config: EngineConfig, target_vocab:
 def _load_draft(bundle: Bundle, config: EngineConfig, target_vocab: int) -> CachedDecoder:
     # The draft keeps its full context: it is re-aligned to the target every round.
     draft_config = config.model_copy(update={"sliding_window": None, "sink_tokens": 0,
-                                             "intra_op_threads": config.proposer_threads})
+                                             "intra_op_threads": config.proposer_threads, "in_place_threads": None})
     draft = CachedDecoder(bundle.draft_dir(), draft_config)
     if draft.decoder.vocab_size != target_vocab:
         raise ModelLoadError(f"draft vocab {draft.decoder.vocab_size} != target vocab {target_vocab}: a draft "
