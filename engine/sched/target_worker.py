@@ -227,8 +227,8 @@ class TargetWorker:
                                                                             seq.needs.shared_kv_layers))
         if anchor is not outcome.anchor:
             outcome = dataclasses.replace(outcome, anchor=anchor)
-        return TargetResult(seq_id, outcome, tuple(RoundOutcome(o.accepted, o.tokens, o.logprobs, Anchor()) for o in more),
-                            kv_length=self.target.cache.length(seq_id))
+        further = tuple(RoundOutcome(o.accepted, o.tokens, o.logprobs, Anchor()) for o in more)
+        return TargetResult(seq_id, outcome, further, kv_length=self.target.cache.length(seq_id))
 
 
 def _describe(exc: BaseException) -> str:
