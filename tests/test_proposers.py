@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from engine import GenerationOptions
-from engine.model.heads import load_head
+from engine.model.heads import MATMUL_GRAPH, LinearLmHead, load_head
 from engine.kv.paged_cache import LayerGeometry, PagedKVCache
 from engine.sched.metrics import RoundMetrics
 from engine.sched.proposer_worker import ProposeItem, ProposerWorker
@@ -56,6 +56,30 @@ def test_ngram_respects_request_and_config_widths():
 
 
 # -- shared-KV slices (seed: shared_kv_slices_pick_per_layer_geometry) ----------------------
+def test_the_lm_head_graph_is_the_one_node_matmul_onnx_writes_and_computes_the_product():
+    """MTP's hidden state goes through the target's LM head in a one-node onnxruntime
+    graph kept as bytes (onnx is not a runtime dependency): they must be what onnx.helper
+    writes for that graph, and it must compute hidden @ W.T for one row or a batch."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["hidden", "weight"], ["logits"])], "lm_head",
+        [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["batch", "hidden_size"]),
+         helper.make_tensor_value_info("weight", TensorProto.FLOAT, ["hidden_size", "vocab"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "vocab"])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="specserve")
+    model.ir_version = 9
+    assert model.SerializeToString() == MATMUL_GRAPH
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((512, 64)).astype(np.float32)
+    head = LinearLmHead(weight)
+    hidden = rng.standard_normal((3, 1, 64)).astype(np.float32)
+    exact = hidden.astype(np.float64) @ weight.T.astype(np.float64)
+    np.testing.assert_allclose(head.logits(hidden), exact, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(head.logits(hidden[1, 0]), exact[1, 0], rtol=1e-5, atol=1e-4)
+    assert head.logits(hidden).shape == (3, 1, 512) and head.logits(hidden[1, 0]).shape == (512,)
+
+
 def test_shared_kv_slices_pick_per_layer_geometry():
     cache = PagedKVCache([LayerGeometry(2, 8), LayerGeometry(3, 16)], num_blocks=4, block_size=4)
     cache.add_sequence("s")
