@@ -367,7 +367,7 @@ class PagedKVCache:
         s.written = s.length
 
     def append_from_session(self, seq_id: Hashable, keys: Sequence[np.ndarray], values: Sequence[np.ndarray],
-                            alive: np.ndarray, buffer: object | None = None) -> None:
+                            alive: np.ndarray) -> None:
         """Append the new tokens of a model call given the session's whole output: per layer
         ``present`` tensors ``[1, heads, T, dim]`` (the past fed plus the new tokens) and
         which of their ``T`` slots are real. That output becomes the sequence's past for
@@ -375,8 +375,8 @@ class PagedKVCache:
         something reads them (``materialize``, ``slice``), so a step copies nothing.
 
         Atomic like ``append``. Not under a sliding window, whose evictions the session's
-        copy cannot follow: use ``append`` there. ``buffer``: the in-place buffer the
-        tensors are views of, if any (``SessionPast.buffer``).
+        copy cannot follow: use ``append`` there. (An in-place call's buffer goes through
+        ``append_in_buffer``.)
         """
         if self.sliding_window is not None:
             raise ValueError("append_from_session needs a cache without a sliding window; use append")
@@ -391,7 +391,7 @@ class PagedKVCache:
             raise ValueError(f"session output must be one [1, heads, {alive.size}, dim] tensor per layer "
                              f"matching the cache geometry")
         self._allocate(seq_id, s, n)
-        s.session = SessionPast(list(keys), list(values), alive, buffer)
+        s.session = SessionPast(list(keys), list(values), alive)
 
     def append_in_buffer(self, seq_id: Hashable, buffer: object, length: int) -> None:
         """``append_from_session`` for an in-place call: the first ``length`` slots of

@@ -44,14 +44,12 @@ class KVBuffer:
     values: list[np.ndarray]
     binding: ort.IOBinding
     _ort_values: list[ort.OrtValue]  # must outlive the binding that points at their memory
-    # New-token count -> preallocated outputs (arrays and the OrtValues over them): bound
-    # per call, so no call allocates its outputs or wraps every bound output to find them.
-    outputs: dict[int, list[tuple[np.ndarray, ort.OrtValue]]] = field(default_factory=dict)
-    # New-token count -> the input_ids array bound while that count is: a run writes its
-    # tokens into it rather than binding a new array (onnxruntime reads the bound memory).
-    input_ids: dict[int, np.ndarray] = field(default_factory=dict)
+    mask: np.ndarray  # [1, capacity] ones: each run binds a prefix of it as its attention mask
+    # New-token count -> the input_ids array a run of that width writes its tokens into
+    # (onnxruntime reads the bound memory) and its preallocated outputs (arrays and the
+    # OrtValues over them): bound when the width changes, so no call allocates them.
+    widths: dict[int, tuple[np.ndarray, list[tuple[np.ndarray, ort.OrtValue]]]] = field(default_factory=dict)
     bound_width: int = 0  # the new-token count whose arrays are bound now (bindings persist across runs)
-    mask: np.ndarray | None = None  # [1, capacity] ones: each run binds a prefix of it as its attention mask
 
     @property
     def capacity(self) -> int:
@@ -148,7 +146,7 @@ class InPlaceDecoder:
             binding.bind_ortvalue_input(past, value)
             binding.bind_ortvalue_output(present, value)
             ort_values.append(value)
-        return KVBuffer(keys, values, binding, ort_values)
+        return KVBuffer(keys, values, binding, ort_values, np.ones((1, capacity), np.int64))
 
     def run(self, buffer: KVBuffer, length: int, input_ids: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Run ``input_ids [1, S]`` after the buffer's first ``length`` slots; their KV is
@@ -158,20 +156,18 @@ class InPlaceDecoder:
         if length + new > buffer.capacity:
             raise ValueError(f"{length} + {new} tokens do not fit a buffer of {buffer.capacity} slots")
         binding = buffer.binding
-        outputs = buffer.outputs.get(new)
-        if outputs is None:
-            arrays = [np.empty((1, new, width), dtype) for width, dtype in self.output_shapes]
-            outputs = buffer.outputs[new] = [(a, ort.OrtValue.ortvalue_from_numpy(a)) for a in arrays]
-            buffer.input_ids[new] = np.empty((1, new), self.standard.ids_dtype)
-        ids = buffer.input_ids[new]
+        arrays = buffer.widths.get(new)
+        if arrays is None:
+            outputs = [np.empty((1, new, width), dtype) for width, dtype in self.output_shapes]
+            arrays = buffer.widths[new] = (np.empty((1, new), self.standard.ids_dtype),
+                                           [(a, ort.OrtValue.ortvalue_from_numpy(a)) for a in outputs])
+        ids, outputs = arrays
         ids[:] = input_ids
         if buffer.bound_width != new:
             binding.bind_cpu_input(self.standard.io.input_ids, ids)
             for name, (_, value) in zip(self.output_names, outputs):
                 binding.bind_ortvalue_output(name, value)
             buffer.bound_width = new
-        if buffer.mask is None:
-            buffer.mask = np.ones((1, buffer.capacity), np.int64)
         binding.bind_cpu_input(self.standard.io.attention_mask, buffer.mask[:, : length + new])
         self.session.run_with_iobinding(binding)
         self.calls += 1
