@@ -161,6 +161,8 @@ def main() -> None:
     parser.add_argument("--lanes", type=int, default=2)
     parser.add_argument("--target-threads", type=int, default=None, help="target onnxruntime threads (server)")
     parser.add_argument("--stream-interval", type=int, default=1, help="server: tokens per stream write")
+    parser.add_argument("--stream-writes-per-s", type=float, default=250.0,
+                        help="server: the router's stream-write budget (0 = none)")
     parser.add_argument("--plain-steps", type=int, default=None,
                         help="scheduler.plain_steps on both sides (default: the engine's)")
     parser.add_argument("--port", type=int, default=8311)
@@ -188,7 +190,8 @@ def main() -> None:
 
     from cluster.local import serve_local, start_local_ray
     start_local_ray()
-    serve_local({"model_dir": "models", "stream_interval": args.stream_interval, "engine": {
+    serve_local({"model_dir": "models", "stream_interval": args.stream_interval,
+                 "stream_writes_per_s": args.stream_writes_per_s or None, "engine": {
         "device": "cpu", "intra_op_threads": args.target_threads, "scheduler": {"lanes": args.lanes, **scheduler},
         "speculative": {"default_mode": "auto"}}}, port=args.port)
     base = f"http://127.0.0.1:{args.port}"
@@ -209,7 +212,8 @@ def main() -> None:
     ray.shutdown()
 
     print(f"\n{args.new_tokens} new tokens per request, {args.requests_per_stream} requests per stream, lanes "
-          f"{args.lanes}, stream interval {args.stream_interval}, plain steps "
+          f"{args.lanes}, stream interval {args.stream_interval}, write budget "
+          f"{args.stream_writes_per_s or 'none'}/s, plain steps "
           f"{engine_plain_steps}; every distributed output token-identical to in-process: "
           f"{'yes' if mismatches == 0 else f'NO ({mismatches} differ)'}\n")
     print("| mode | streams | in-process tok/s | distributed tok/s | ratio | in-process TTFT / ITL ms "

@@ -16,7 +16,7 @@ import logging
 import os
 import time
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -111,6 +111,7 @@ class Router:
         self.coordinator: RoundCoordinator | None = None
         self.max_context = self.max_tokens_cap = 0
         self.metrics = ServeRoundMetrics()
+        self._open_streams = 0  # streaming responses in progress: they share the write budget
         self._gauges: asyncio.Task | None = None
         _guard["api_key"] = os.environ.get(self.settings.api_key_env) or None
         _guard["max_body_bytes"] = self.settings.max_body_bytes
@@ -171,6 +172,7 @@ class Router:
         await self._ensure_ready()
         t = self.coordinator.timings
         return {"kv": await self.transport.kv_call("usage"), "active_sequences": self.coordinator.active,
+                "open_streams": self._open_streams,
                 "modes": self.factory.modes, "default_mode": self.factory.default_mode,
                 **self._scheduler_stats(),
                 "ticks": t.ticks, "sequence_rounds": t.rounds,
@@ -255,22 +257,29 @@ class Router:
                 raise _as_api_error(exc) from exc
             return shaper.full(driver)
         run.add_done_callback(lambda _: queue.put_nowait(None))
-        return StreamingResponse(self._stream(driver, run, queue, shaper, self.settings.stream_interval),
-                                 media_type="text/event-stream")
+        return StreamingResponse(self._stream(driver, run, queue, shaper), media_type="text/event-stream")
 
-    @staticmethod
-    async def _stream(driver, run: asyncio.Future, queue: asyncio.Queue, shaper: ResponseShaper,
-                      interval: int = 1) -> AsyncIterator[str]:
+    def _write_gap_s(self) -> float:
+        """How long a stream waits between writes: its share of the router's write budget
+        (``stream_writes_per_s``) with the other open streams. A lone stream is never held
+        back; at load, each write carries several rounds' tokens."""
+        budget = self.settings.stream_writes_per_s
+        return (self._open_streams - 1) / budget if budget else 0.0
+
+    async def _stream(self, driver, run: asyncio.Future, queue: asyncio.Queue,
+                      shaper: ResponseShaper) -> AsyncIterator[str]:
         """Forward committed tokens as they come; a client that disconnects cancels the request."""
+        self._open_streams += 1
         try:
             if opening := shaper.opening():
                 yield opening
-            async for events in token_writes(queue, interval):
+            async for events in token_writes(queue, self.settings.stream_interval, self._write_gap_s):
                 yield shaper.tokens(events)
             failure = run.exception()
             yield shaper.error(_as_api_error(failure)) if failure is not None else shaper.closing(driver)
             yield SSE_DONE
         finally:
+            self._open_streams -= 1
             if not run.done():
                 run.cancel()  # client disconnected mid-stream: retire the request, free its KV
 
@@ -302,28 +311,42 @@ def _as_api_error(exc: BaseException) -> ApiError:
     return ApiError(500, f"internal error: {type(exc).__name__}", type_="server_error")
 
 
-async def token_writes(queue: asyncio.Queue, interval: int = 1) -> AsyncIterator[list[TokenEvent]]:
+async def token_writes(queue: asyncio.Queue, interval: int = 1,
+                       min_gap_s: Callable[[], float] | None = None) -> AsyncIterator[list[TokenEvent]]:
     """Group a request's committed tokens (``None`` ends the queue) into stream writes.
 
     A round commits several tokens at once and they go as one write, so a round costs one
     message to the HTTP proxy, not one per token. With ``interval`` > 1 a write also waits
-    until it holds that many tokens (vLLM's ``--stream-interval``), except the first token,
-    which goes at once (time to first token is unchanged), and the last ones."""
-    sent = 0
+    until it holds that many tokens (vLLM's ``--stream-interval``), and with ``min_gap_s``
+    until that many seconds have passed since the stream's last write (asked afresh each
+    write: the router's write budget shared by its open streams). Neither ever holds the
+    first token (time to first token is unchanged) or the last ones."""
+    loop = asyncio.get_running_loop()
+    sent, last_write = 0, 0.0
     while True:
         events = [await queue.get()]
         while True:
             while not queue.empty():
                 events.append(queue.get_nowait())
-            if events[-1] is None or sent == 0 or len(events) >= interval:
+            if events[-1] is None or sent == 0:
                 break
-            events.append(await queue.get())
+            if len(events) < interval:
+                events.append(await queue.get())
+                continue
+            wait = last_write + (min_gap_s() if min_gap_s is not None else 0.0) - loop.time()
+            if wait <= 0:
+                break
+            try:
+                events.append(await asyncio.wait_for(queue.get(), wait))
+            except asyncio.TimeoutError:
+                break
         finished = events[-1] is None
         if finished:
             events.pop()
         if events:
             sent += len(events)
             yield events
+            last_write = loop.time()
         if finished:
             return
 

@@ -1,6 +1,7 @@
 """How the router groups a request's committed tokens into stream writes (the server's
-``stream_interval``): each write is one message from the router to the HTTP proxy, so
-fewer writes save CPU at load, but the first token must never wait."""
+``stream_interval`` and its write budget, a minimum gap between a stream's writes):
+each write is one message from the router to the HTTP proxy, so fewer writes save CPU
+at load, but the first token must never wait, nor the last."""
 from __future__ import annotations
 
 import asyncio
@@ -49,3 +50,45 @@ def test_an_interval_groups_rounds_but_never_holds_the_first_or_last_tokens(inte
 
 def test_a_request_that_ends_before_its_first_token_writes_nothing():
     assert asyncio.run(_writes([], interval=4)) == []
+
+
+async def _timed_writes(bursts: list[tuple[float, int]], gap_s: float) -> tuple[list[list[int]], list[float], float]:
+    """Commit ``bursts`` ((seconds to wait first, tokens)), then end the request, while
+    the writer keeps ``gap_s`` between writes. Returns each write's token ids and time,
+    and when the request ended (times from the start)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    ended: list[float] = []
+
+    async def commit() -> None:
+        token = 0
+        for pause, size in bursts:
+            await asyncio.sleep(pause)
+            for _ in range(size):
+                queue.put_nowait(TokenEvent(token, f"t{token}", None, None))
+                token += 1
+        queue.put_nowait(None)
+        ended.append(loop.time() - start)
+
+    producer = asyncio.ensure_future(commit())
+    writes, times = [], []
+    async for events in token_writes(queue, 1, lambda: gap_s):
+        writes.append([event.token_id for event in events])
+        times.append(loop.time() - start)
+    await producer
+    return writes, times, ended[0]
+
+
+def test_a_write_gap_gathers_rounds_but_never_holds_the_first_or_last_tokens():
+    rounds = [(0.001, size) for size in ROUNDS]  # a round every millisecond, far inside the gap
+    writes, times, ended = asyncio.run(_timed_writes(rounds, gap_s=2.0))
+    assert writes == [[0], list(range(1, sum(ROUNDS)))]
+    assert times[-1] - ended < 0.5  # the end went at once, not after the 2 s gap
+
+
+def test_a_round_after_a_quiet_spell_longer_than_the_gap_goes_at_once():
+    writes, times, _ = asyncio.run(_timed_writes([(0, 1), (0.001, 2), (0.6, 3), (0.6, 0)], gap_s=0.2))
+    assert writes == [[0], [1, 2], [3, 4, 5]]
+    assert 0.15 < times[1] < 0.45  # held for the gap after the first write, then written
+    assert 0.6 < times[2] < 0.9    # committed at ~0.6 s, 0.4 s after the last write: not held
