@@ -3,7 +3,8 @@
 Requests are strict: a field this server does not know is a 400 naming the field,
 rather than a silently ignored setting. Fields OpenAI defines but specserve does not
 implement are accepted only at their neutral value (``n=1``, ``echo=false``, penalties
-0, ...), so a client that sends defaults works and one that relies on them is told.
+0, ``tools`` null, ...), so a client that sends defaults works and one that relies on
+them is told. ``null`` for an optional field is its default (``_OpenAIModel``).
 Extensions (vLLM-style extra body fields): ``speculative_mode``,
 ``num_speculative_tokens`` (the most drafts per round), ``adaptive_speculation``,
 ``top_k``, ``repetition_penalty``, ``ignore_eos``, ``return_token_ids`` (each choice, and each streamed chunk, carries ``token_ids``); every
@@ -12,9 +13,10 @@ The response bodies and SSE chunks are built in ``openai_responses.py``.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+import types
+from typing import Any, ClassVar, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_validator
 
 from engine.options import MAX_SPECULATIVE_TOKENS, GenerationOptions, SpeculativeMode
 
@@ -31,13 +33,41 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-class StreamOptions(BaseModel):
+def _nullable(annotation) -> bool:
+    return annotation is type(None) or (get_origin(annotation) in (Union, types.UnionType)
+                                        and type(None) in get_args(annotation))
+
+
+class _OpenAIModel(BaseModel):
+    """Strict about unknown fields, lenient about ``null``: OpenAI types its optional
+    fields "X or null" and clients send unset settings as ``null``, so a ``null`` for a
+    field that has no null meaning of its own is the field's default. Unknown fields
+    listed in ``_NEUTRAL_NULLS`` (OpenAI's, which specserve does not implement) are
+    accepted at ``null`` and dropped."""
+
     model_config = ConfigDict(extra="forbid")
+    _NEUTRAL_NULLS: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data):
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {key: value for key, value in data.items()
+                if value is not None or (key in fields and _nullable(fields[key].annotation))
+                or (key not in fields and key not in cls._NEUTRAL_NULLS)}
+
+
+class StreamOptions(_OpenAIModel):
     include_usage: bool = False
+    continuous_usage_stats: Literal[False] = False  # vLLM's: usage on every chunk (not implemented)
 
 
-class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _SamplingFields(_OpenAIModel):
+    _NEUTRAL_NULLS: ClassVar[frozenset[str]] = frozenset({
+        "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "metadata", "store",
+        "service_tier", "prediction"})
 
     model: str = Field(examples=["specserve"])
     max_tokens: int | None = Field(None, ge=1)
@@ -52,8 +82,9 @@ class _SamplingFields(BaseModel):
     frequency_penalty: Literal[0, 0.0] = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: dict[str, Any] | None = None  # only plain text: {"type": "text"}
     # extensions
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=-1)  # 0 or -1 (vLLM's spelling): no top-k cut
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     ignore_eos: bool = False
     speculative_mode: SpeculativeMode | None = None
@@ -68,6 +99,25 @@ class _SamplingFields(BaseModel):
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("stop takes up to 4 non-empty strings")
         return stops
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_off(cls, value):
+        return max(value, 0)
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options can only be set when stream is true")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, value):
+        if value is not None and value != {"type": "text"}:
+            raise ValueError("only response_format {\"type\": \"text\"} is supported by this server")
+        return value
 
     @field_validator("logit_bias")
     @classmethod
@@ -86,7 +136,7 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(examples=["def read_config(path):"])
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]] = Field(examples=["def read_config(path):"])
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: Literal[False] = False
@@ -105,11 +155,23 @@ class CompletionRequest(_SamplingFields):
         return value
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ChatMessage(_OpenAIModel):
+    # What a client sends back of an earlier reply (``message.model_dump()``): its
+    # ``refusal``, ``tool_calls``, ... at null are nothing to render.
+    _NEUTRAL_NULLS: ClassVar[frozenset[str]] = frozenset({
+        "refusal", "annotations", "audio", "function_call", "tool_calls"})
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]]
+    content: str | list[dict[str, Any]] | None = None  # null only for an assistant's (tool-call) reply
     name: str | None = None
+    tool_call_id: str | None = None  # a tool message answers this call (kept for the client; not rendered)
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self):
+        if self.content is None:
+            if self.role != "assistant":
+                raise ValueError(f"a {self.role} message needs content")
+            self.content = ""
+        return self
 
     @field_validator("content")
     @classmethod

@@ -51,8 +51,11 @@ def completion_logprobs(items: Sequence[TokenLogprob], offset: int = 0) -> dict:
     for item in items:
         offsets.append(position)
         position += len(item.token)
+    # As OpenAI's (and vLLM's): each position's top_logprobs holds the chosen token too,
+    # so up to logprobs + 1 entries, and {chosen: logprob} with logprobs=0.
     return {"tokens": [i.token for i in items], "token_logprobs": [i.logprob for i in items],
-            "top_logprobs": [{t.token: t.logprob for t in i.top} for i in items], "text_offset": offsets}
+            "top_logprobs": [{**{t.token: t.logprob for t in i.top}, i.token: i.logprob} for i in items],
+            "text_offset": offsets}
 
 
 def chat_logprobs(items: Sequence[TokenLogprob]) -> dict:
@@ -102,10 +105,13 @@ class ResponseShaper:
         return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}])
 
-    def tokens(self, events: Sequence[TokenEvent]) -> str:
-        """One chunk per committed token, concatenated: a round's tokens go out as one write."""
+    def tokens(self, events: Sequence[TokenEvent], driver: SequenceDriver) -> str:
+        """One chunk per committed token, concatenated: a round's tokens go out as one write.
+        The last token's chunk (the one with ``finish_reason``) also carries the speculative
+        statistics: the request has finished, so they are final."""
         parts = []
         for event in events:
+            extra = {"speculative": speculative_body(driver.stats, driver.num_drafts)} if event.finish_reason else {}
             logprobs = None
             if event.logprob is not None:
                 logprobs = (chat_logprobs([event.logprob]) if self.chat
@@ -115,17 +121,20 @@ class ResponseShaper:
             if self.chat:
                 delta = {"content": event.text} if event.text else {}
                 parts.append(self._chunk([{"index": 0, "delta": delta, "logprobs": logprobs,
-                                           "finish_reason": event.finish_reason, **ids}]))
+                                           "finish_reason": event.finish_reason, **ids}], **extra))
             else:
                 parts.append(self._chunk([{"index": 0, "text": event.text, "logprobs": logprobs,
-                                           "finish_reason": event.finish_reason, **ids}]))
+                                           "finish_reason": event.finish_reason, **ids}], **extra))
         return "".join(parts)
 
     def closing(self, driver: SequenceDriver) -> str:
-        """The last chunk: usage (if the client asked) and the speculative statistics."""
+        """After the last token: the usage chunk (empty ``choices``) if the client asked for
+        it with ``stream_options.include_usage``, as OpenAI sends it; else nothing (a client
+        reading ``chunk.choices[0]`` must never meet an empty chunk it did not ask for)."""
+        if not self.include_usage:
+            return ""
         state = driver.state
-        usage = usage_body(state.prompt_len, len(state.generated)) if self.include_usage else None
-        return self._chunk([], usage=usage, speculative=speculative_body(driver.stats, driver.num_drafts))
+        return self._chunk([], usage=usage_body(state.prompt_len, len(state.generated)))
 
     @staticmethod
     def error(error: ApiError) -> str:

@@ -21,6 +21,7 @@ from typing import AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -82,13 +83,36 @@ async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """FastAPI's own 404 (no such route) and 405 (wrong method), in OpenAI's error shape."""
+    message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+    return JSONResponse(ApiError(exc.status_code, message.get(exc.status_code, str(exc.detail))).body(),
+                        status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0] if exc.errors() else {}
-    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-    message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}"
-                        for e in exc.errors()[:5])
+    if first.get("type") == "json_invalid":
+        return JSONResponse(ApiError(400, f"malformed JSON body: {first.get('ctx', {}).get('error', 'invalid')}").body(),
+                            status_code=400)
+    param = _param(first.get("loc", ())) or None
+    messages: dict[str, str] = {}  # one per parameter: a union reports each of its branches
+    for error in exc.errors():
+        messages.setdefault(_param(error.get("loc", ())) or "body", error.get("msg", "invalid"))
+    message = "; ".join(f"{where}: {what}" for where, what in list(messages.items())[:5])
     return JSONResponse(ApiError(400, message or "invalid request", param=param).body(), status_code=400)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "json-or-python"}
+
+
+def _param(loc) -> str:
+    """The client's name for a failing parameter (``messages.0.content``): pydantic's
+    location without ``body`` and without the union branches it tried (``str``,
+    ``list[int]``, ``function-after[...]``)."""
+    return ".".join(str(p) for p in loc[1:] if not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p)))
 
 
 class Router:
@@ -111,6 +135,7 @@ class Router:
         self.coordinator: RoundCoordinator | None = None
         self.max_context = self.max_tokens_cap = 0
         self.metrics = ServeRoundMetrics()
+        self.started = int(time.time())  # the model card's ``created``
         self._open_streams = 0  # streaming responses in progress: they share the write budget
         self._gauges: asyncio.Task | None = None
         _guard["api_key"] = os.environ.get(self.settings.api_key_env) or None
@@ -163,8 +188,17 @@ class Router:
     @app.get("/v1/models")
     async def models(self) -> dict:
         await self._ensure_ready()
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "specserve", "max_model_len": self.max_context}]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    @app.get("/v1/models/{model}")
+    async def model(self, model: str) -> dict:
+        await self._ensure_ready()
+        self._check_model(model)
+        return self._model_card()
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.started, "owned_by": "specserve",
+                "max_model_len": self.max_context}
 
     @app.get("/specserve/status")
     async def status(self) -> dict:
@@ -184,18 +218,20 @@ class Router:
     async def completions(self, body: CompletionRequest):
         await self._ensure_ready()
         self._check_model(body.model)
-        max_tokens = self._max_tokens(body.max_tokens)
+        prompt_ids = self._encode(body.prompt)
+        max_tokens = self._max_tokens(body.max_tokens, len(prompt_ids))
         options = self._options(body, max_tokens, body.logprobs is not None, body.logprobs or 0)
-        return await self._serve(body, options, self._encode(body.prompt), chat=False)
+        return await self._serve(body, options, prompt_ids, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
         await self._ensure_ready()
         self._check_model(body.model)
         prompt = self.chat_template.render([m.model_dump(exclude_none=True) for m in body.messages])
-        max_tokens = self._max_tokens(body.max_completion_tokens or body.max_tokens)
+        prompt_ids = self._encode(prompt)
+        max_tokens = self._max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt_ids))
         options = self._options(body, max_tokens, body.logprobs, body.top_logprobs or 0)
-        return await self._serve(body, options, self._encode(prompt), chat=True)
+        return await self._serve(body, options, prompt_ids, chat=True)
 
     # -- internals -----------------------------------------------------------------------
     def _check_model(self, model: str) -> None:
@@ -203,12 +239,19 @@ class Router:
             raise ApiError(404, f"model '{model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
 
-    def _max_tokens(self, requested: int | None) -> int:
+    def _max_tokens(self, requested: int | None, prompt_tokens: int) -> int:
+        """The request's token budget. One it names must fit beside its prompt, as in
+        OpenAI's API and vLLM: a client is told, not cut short at the context's end."""
         cap = self.max_tokens_cap
         if requested is None:
             return cap  # as much as the context allows (the KV reservation is capped by it)
         if requested > cap:
             raise ApiError(400, f"max_tokens is {requested}; this server allows at most {cap}", param="max_tokens")
+        if prompt_tokens + requested > self.max_context:
+            raise ApiError(400, f"this model's maximum context length is {self.max_context} tokens; the request "
+                           f"asks for {prompt_tokens + requested} ({prompt_tokens} in the prompt, {requested} for "
+                           "the completion): lower max_tokens or shorten the prompt", param="max_tokens",
+                           code="context_length_exceeded")
         return requested
 
     def _options(self, body, max_tokens: int, logprobs: bool, top: int) -> GenerationOptions:
@@ -274,9 +317,12 @@ class Router:
             if opening := shaper.opening():
                 yield opening
             async for events in token_writes(queue, self.settings.stream_interval, self._write_gap_s):
-                yield shaper.tokens(events)
+                yield shaper.tokens(events, driver)
             failure = run.exception()
-            yield shaper.error(_as_api_error(failure)) if failure is not None else shaper.closing(driver)
+            if failure is not None:
+                yield shaper.error(_as_api_error(failure))
+            elif closing := shaper.closing(driver):
+                yield closing
             yield SSE_DONE
         finally:
             self._open_streams -= 1

@@ -161,7 +161,11 @@ def test_completion_logprobs_match_the_engine(client, bundle_engine, heldout_pro
     got = response.choices[0].logprobs
     assert got.tokens == [lp.token for lp in expected.logprobs]
     assert got.token_logprobs == pytest.approx([lp.logprob for lp in expected.logprobs], abs=1e-4)
-    assert all(len(top) == 2 for top in got.top_logprobs)
+    assert all(len(top) == 2 for top in got.top_logprobs)  # greedy: the chosen token is the first of its top 2
+    # As OpenAI's: top_logprobs always holds the chosen token, so logprobs=0 gives just it.
+    sampled = client.completions.create(model="specserve", prompt=heldout_prompts[3], max_tokens=8,
+                                        temperature=1.5, seed=3, logprobs=0).choices[0].logprobs
+    assert sampled.top_logprobs == [{token: lp} for token, lp in zip(sampled.tokens, sampled.token_logprobs)]
 
 
 def test_sixteen_concurrent_streams_with_mixed_modes_all_complete_correctly(client, bundle_engine, heldout_prompts):
@@ -172,11 +176,13 @@ def test_sixteen_concurrent_streams_with_mixed_modes_all_complete_correctly(clie
         chunks = client.completions.create(model="specserve", prompt=prompt, max_tokens=32, temperature=0,
                                            stream=True, extra_body={"speculative_mode": mode,
                                                                     "return_token_ids": True})
-        ids, text = [], ""
-        for chunk in chunks:
-            if chunk.choices:
-                ids += chunk.choices[0].model_extra.get("token_ids", [])
-                text += chunk.choices[0].text
+        ids, text, finished = [], "", []
+        for chunk in chunks:  # without include_usage, every chunk has a choice (OpenAI's shape)
+            ids += chunk.choices[0].model_extra.get("token_ids", [])
+            text += chunk.choices[0].text
+            if chunk.choices[0].finish_reason:
+                finished.append(chunk.model_extra["speculative"])  # the finishing chunk has the stats
+        assert len(finished) == 1 and finished[0]["mode"] == mode
         return ids, text
 
     with ThreadPoolExecutor(16) as pool:
@@ -246,6 +252,12 @@ def test_a_client_that_disconnects_mid_stream_gets_its_kv_blocks_freed(server, h
     ({"model": "specserve", "prompt": "x", "n": 2}, 400, "n"),
     ({"model": "specserve", "prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ({"model": "specserve", "prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+    ({"model": "specserve", "prompt": "x", "frobnicate": None}, 400, "frobnicate"),  # null or not: unknown
+    ({"model": "specserve", "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"model": "specserve", "prompt": [True, False]}, 400, "prompt"),  # token ids are integers, not booleans
+    ({"model": "specserve", "prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
+    # the prompt fits and so does max_tokens alone, but not both: told, never cut short
+    ({"model": "specserve", "prompt": "x " * 200, "max_tokens": 400}, 400, "max_tokens"),
 ])
 def test_bad_requests_get_openai_style_errors(server, body, status, param):
     response = httpx.post(f"{server}/v1/completions", json=body, timeout=30, headers=AUTH)
@@ -257,10 +269,42 @@ def test_bad_requests_get_openai_style_errors(server, body, status, param):
 def test_malformed_json_and_empty_chat_are_400(server):
     response = httpx.post(f"{server}/v1/completions", content=b"{not json", timeout=30,
                           headers={"Content-Type": "application/json", **AUTH})
-    assert response.status_code == 400 and response.json()["error"]["message"]
+    assert response.status_code == 400 and "malformed JSON" in response.json()["error"]["message"]
+    assert response.json()["error"]["param"] is None
     response = httpx.post(f"{server}/v1/chat/completions", json={"model": "specserve", "messages": []}, timeout=30,
                           headers=AUTH)
     assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+
+
+def test_unknown_routes_and_methods_get_openai_shaped_errors_and_the_model_card_is_served(server):
+    for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405),
+                                 ("GET", "/v1/models/nope", 404)):
+        response = httpx.request(method, f"{server}{path}", headers=AUTH, timeout=30)
+        assert response.status_code == status, path
+        assert response.json()["error"]["message"], path
+    card = httpx.get(f"{server}/v1/models/specserve", headers=AUTH, timeout=30).json()
+    assert card == httpx.get(f"{server}/v1/models", headers=AUTH, timeout=30).json()["data"][0]
+    assert card["id"] == "specserve" and abs(card["created"] - time.time()) < 3600
+
+
+def test_nulls_for_optional_fields_and_a_reply_sent_back_are_accepted(client, server):
+    """Clients send unset settings as null, and a conversation goes on by appending the
+    assistant's reply as the SDK dumps it (refusal, tool_calls, ... at null)."""
+    first = client.chat.completions.create(model="specserve", max_tokens=6, temperature=0,
+                                           messages=[{"role": "user", "content": "Write a sort function."}])
+    messages = [{"role": "user", "content": "Write a sort function."}, first.choices[0].message.model_dump(),
+                {"role": "user", "content": "Now in one line."}]
+    assert messages[1]["refusal"] is None and "tool_calls" in messages[1]
+    nulls = {"temperature": None, "top_p": None, "n": None, "stream": None, "presence_penalty": None,
+             "frequency_penalty": None, "logprobs": None, "tools": None, "tool_choice": None, "top_k": -1}
+    body = {"model": "specserve", "messages": messages, "max_tokens": 6, "seed": 5}
+    with_nulls = httpx.post(f"{server}/v1/chat/completions", json={**body, **nulls}, headers=AUTH, timeout=60)
+    assert with_nulls.status_code == 200, with_nulls.text
+    plain = httpx.post(f"{server}/v1/chat/completions", json=body, headers=AUTH, timeout=60).json()
+    assert with_nulls.json()["choices"][0]["message"] == plain["choices"][0]["message"]  # null = the default
+    response = httpx.post(f"{server}/v1/chat/completions", headers=AUTH, timeout=60,
+                          json={"model": "specserve", "messages": [{"role": "user", "content": None}]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages.0"
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}])
