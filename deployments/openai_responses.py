@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Sequence
+from typing import Callable, Sequence
 
 from engine.sched.sequence_driver import SequenceDriver
 from engine.spec.sampling import TokenLogprob
@@ -58,21 +58,26 @@ def completion_logprobs(items: Sequence[TokenLogprob], offset: int = 0) -> dict:
             "text_offset": offsets}
 
 
-def chat_logprobs(items: Sequence[TokenLogprob]) -> dict:
-    def entry(token: str, logprob: float) -> dict:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
-    return {"content": [{**entry(i.token, i.logprob), "top_logprobs": [entry(t.token, t.logprob) for t in i.top]}
-                        for i in items]}
+def chat_logprobs(items: Sequence[TokenLogprob], token_bytes: Callable[[int], bytes] | None = None) -> dict:
+    """Chat's format; ``bytes`` are the token's own bytes where ``token_bytes`` knows them
+    (a token holding part of a character has text U+FFFD, but real bytes)."""
+    def entry(token_id: int, token: str, logprob: float) -> dict:
+        raw = token_bytes(token_id) if token_bytes is not None else token.encode("utf-8")
+        return {"token": token, "logprob": logprob, "bytes": list(raw)}
+    return {"content": [{**entry(i.token_id, i.token, i.logprob),
+                         "top_logprobs": [entry(t.token_id, t.token, t.logprob) for t in i.top]} for i in items]}
 
 
 class ResponseShaper:
     """One request's response: the whole body (``full``), or its stream (``opening``,
     ``tokens`` per round, then ``closing`` or ``error``, then ``SSE_DONE``)."""
 
-    def __init__(self, model_name: str, chat: bool, token_ids: bool = False, include_usage: bool = False) -> None:
+    def __init__(self, model_name: str, chat: bool, token_ids: bool = False, include_usage: bool = False,
+                 token_bytes: Callable[[int], bytes] | None = None) -> None:
         self.model_name, self.chat, self.token_ids, self.include_usage = model_name, chat, token_ids, include_usage
+        self.token_bytes = token_bytes
         self.id, self.created = new_id("chatcmpl" if chat else "cmpl"), now()
-        self._offset = 0  # characters streamed so far (completion logprobs' text_offset)
+        self._offset = 0  # token text streamed so far (completion logprobs' text_offset)
 
     # -- whole response ------------------------------------------------------------------
     def full(self, driver: SequenceDriver) -> dict:
@@ -81,7 +86,7 @@ class ResponseShaper:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": state.text},
                       "finish_reason": state.finish_reason,
-                      "logprobs": chat_logprobs(logprobs) if logprobs is not None else None}
+                      "logprobs": chat_logprobs(logprobs, self.token_bytes) if logprobs is not None else None}
         else:
             choice = {"index": 0, "text": state.text, "finish_reason": state.finish_reason,
                       "logprobs": completion_logprobs(logprobs) if logprobs is not None else None}
@@ -114,9 +119,11 @@ class ResponseShaper:
             extra = {"speculative": speculative_body(driver.stats, driver.num_drafts)} if event.finish_reason else {}
             logprobs = None
             if event.logprob is not None:
-                logprobs = (chat_logprobs([event.logprob]) if self.chat
+                logprobs = (chat_logprobs([event.logprob], self.token_bytes) if self.chat
                             else completion_logprobs([event.logprob], self._offset))
-            self._offset += len(event.text)
+                # text_offset counts token texts, as the whole response's does: a stream's
+                # text may lag its tokens (a possible stop string held back)
+                self._offset += len(event.logprob.token)
             ids = {"token_ids": [event.token_id]} if self.token_ids else {}
             if self.chat:
                 delta = {"content": event.text} if event.text else {}

@@ -95,8 +95,8 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0] if exc.errors() else {}
     if first.get("type") == "json_invalid":
-        return JSONResponse(ApiError(400, f"malformed JSON body: {first.get('ctx', {}).get('error', 'invalid')}").body(),
-                            status_code=400)
+        reason = first.get("ctx", {}).get("error", "invalid")
+        return JSONResponse(ApiError(400, f"malformed JSON body: {reason}").body(), status_code=400)
     param = _param(first.get("loc", ())) or None
     messages: dict[str, str] = {}  # one per parameter: a union reports each of its branches
     for error in exc.errors():
@@ -289,7 +289,7 @@ class Router:
         run.add_done_callback(lambda task: self.metrics.request_done(
             driver.mode, "cancelled" if task.cancelled() else "error" if task.exception() else "ok", stamps, arrived))
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        shaper = ResponseShaper(self.model_name, chat, body.return_token_ids, include_usage)
+        shaper = ResponseShaper(self.model_name, chat, body.return_token_ids, include_usage, self.tokenizer.token_bytes)
         if not body.stream:
             try:
                 await run

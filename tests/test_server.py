@@ -168,6 +168,24 @@ def test_completion_logprobs_match_the_engine(client, bundle_engine, heldout_pro
     assert sampled.top_logprobs == [{token: lp} for token, lp in zip(sampled.tokens, sampled.token_logprobs)]
 
 
+def test_a_streamed_completions_logprobs_agree_with_the_whole_response_even_with_a_stop_string(client,
+                                                                                           heldout_prompts):
+    """A stop string makes the stream hold text back, so its chunks' text lags their
+    tokens; text_offset must still count each token's text, as the whole response does."""
+    args = dict(model="specserve", prompt=heldout_prompts[4], max_tokens=24, temperature=0, logprobs=1)
+    whole = client.completions.create(**args).choices[0]
+    at = next(i for i in range(len(whole.text) // 2, len(whole.text)) if whole.text[i:i + 3].isalnum())
+    stop = whole.text[at:at + 3]  # a stop string inside the text: it finishes early
+    whole = client.completions.create(**args, stop=[stop]).choices[0]
+    assert len(whole.logprobs.tokens) >= 3 and whole.text.strip()
+    chunks = [c.choices[0] for c in client.completions.create(**args, stop=[stop], stream=True)]
+    assert whole.finish_reason == chunks[-1].finish_reason == "stop"
+    assert "".join(c.text for c in chunks) == whole.text
+    streamed = [c.logprobs for c in chunks if c.logprobs is not None and c.logprobs.tokens]
+    assert sum((lp.tokens for lp in streamed), []) == whole.logprobs.tokens
+    assert sum((lp.text_offset for lp in streamed), []) == whole.logprobs.text_offset
+
+
 def test_sixteen_concurrent_streams_with_mixed_modes_all_complete_correctly(client, bundle_engine, heldout_prompts):
     jobs = [(heldout_prompts[i % len(heldout_prompts)], MODES[i % len(MODES)]) for i in range(16)]
 

@@ -24,6 +24,14 @@ def test_stream_deltas_are_whole_characters_and_concatenate_to_the_decode():
     assert "" in deltas[:-1]
 
 
+def test_token_bytes_are_the_raw_bytes_even_where_a_token_splits_a_character():
+    tokenizer = TextTokenizer(TARGET_DIR)
+    ids = tokenizer.encode(TEXT)
+    assert b"".join(tokenizer.token_bytes(t) for t in ids) == TEXT.encode("utf-8")
+    split = [t for t in ids if tokenizer.token_text(t) == "\ufffd"]  # tokens holding part of a character
+    assert split and all(tokenizer.token_bytes(t) != "\ufffd".encode() for t in split)
+
+
 def test_missing_tokenizer_is_a_load_error(tmp_path):
     with pytest.raises(ModelLoadError, match="tokenizer.json"):
         TextTokenizer(tmp_path)

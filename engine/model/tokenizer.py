@@ -40,8 +40,43 @@ class TextTokenizer:
         """The token's surface text (for logprob listings); may be a partial UTF-8 char."""
         return self.decode([token_id])
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's raw bytes (OpenAI's logprob ``bytes``), which its text cannot give
+        when the token holds part of a multi-byte character: a byte-level BPE's vocabulary
+        string mapped back through GPT-2's byte alphabet, a byte-fallback ``<0xNN>`` as
+        its byte, else the decoded text."""
+        piece = self._tokenizer.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level:
+            decoded = [_BYTE_LEVEL_DECODER.get(char) for char in piece]
+            if None not in decoded:
+                return bytes(decoded)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return self.token_text(token_id).encode("utf-8")
+
+    @property
+    def _byte_level(self) -> bool:
+        return type(self._tokenizer.decoder).__name__ == "ByteLevel"
+
     def stream(self) -> "StreamDecoder":
         return StreamDecoder(self)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte <-> printable character table, inverted: character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = list(printable), 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(char): byte for byte, char in zip(printable, chars)}
+
+
+_BYTE_LEVEL_DECODER = _byte_level_alphabet()
 
 
 class StreamDecoder:
