@@ -100,6 +100,8 @@ class ResponseShaper:
     # -- stream --------------------------------------------------------------------------
     def _chunk(self, choices: list, **extra) -> str:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
+        if self.include_usage:
+            extra.setdefault("usage", None)  # OpenAI's: null on every chunk but the usage one
         return "data: " + json.dumps({"id": self.id, "object": kind, "created": self.created,
                                       "model": self.model_name, "choices": choices, **extra}) + "\n\n"
 

@@ -63,8 +63,8 @@ async def _authenticate_and_limit(request: Request, call_next):
                                 status_code=413)
     key = _guard["api_key"]
     if key and request.url.path != "/health":
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
             return JSONResponse(ApiError(401, "missing or invalid API key (Authorization: Bearer <key>)",
                                          type_="authentication_error", code="invalid_api_key").body(),
                                 status_code=401)

@@ -146,6 +146,7 @@ def test_chat_completion_and_its_stream_agree(client):
     stream = client.chat.completions.create(model="specserve", messages=messages, max_tokens=20, temperature=0,
                                             stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
+    assert all("usage" in c.model_fields_set for c in chunks)  # null on all but the last, as OpenAI's
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert full.choices[0].message.role == "assistant"
     assert text == full.choices[0].message.content and text
@@ -325,7 +326,14 @@ def test_nulls_for_optional_fields_and_a_reply_sent_back_are_accepted(client, se
     assert response.status_code == 400 and response.json()["error"]["param"] == "messages.0"
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}])
+def test_the_auth_scheme_is_case_insensitive(server):
+    for scheme in ("bearer", "BEARER"):
+        response = httpx.get(f"{server}/v1/models", headers={"Authorization": f"{scheme} {API_KEY}"}, timeout=30)
+        assert response.status_code == 200, scheme
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
+                                     {"Authorization": f"Basic {API_KEY}"}])
 def test_without_the_api_key_every_endpoint_but_health_is_401(server, headers):
     for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/specserve/status")):
         response = httpx.request(method, f"{server}{path}", headers=headers, timeout=30,
