@@ -18,7 +18,9 @@ time against the raw onnxruntime session call of one decode step at the same pas
 against a bare greedy loop over the same session (each call's presents fed back), both
 measured right after each target-only run -- on the graph the engine runs at batch 1
 (its in-place twin, ``engine.model.in_place``, where the bundle has one) and on the
-standard graph.
+standard graph. The twin's raw call is also timed right after each single target-only
+request, at that request's mean past, and the median of those per-request ratios printed:
+pairs ~0.1 s apart see the same machine speed.
 """
 from __future__ import annotations
 
@@ -174,6 +176,20 @@ def bare_in_place_loop_ms(engine: Engine, prompts: list[list[int]], new_tokens: 
     return 1000 * seconds / tokens
 
 
+def paired_twin_ratios(engine: Engine, prompts: list[list[int]], new_tokens: int) -> list[float]:
+    """Per prompt: the engine's target-only decode ms per token over the twin's raw call
+    at that request's mean past, the raw calls timed right after the request (~0.1 s
+    later), so both sides see the same machine speed: this VM drifts 10-25 % within
+    minutes, and a ratio of figures taken seconds apart carries that drift."""
+    options = GenerationOptions(max_new_tokens=new_tokens, ignore_eos=True, speculative_mode="none")
+    ratios = []
+    for ids in prompts:
+        result = engine.generate(ids, options)
+        engine_ms = 1000 * result.decode_seconds / (result.completion_tokens - 1)
+        ratios.append(engine_ms / raw_in_place_step_ms(engine, len(ids) + new_tokens // 2, runs=48))
+    return ratios
+
+
 def verify_ms(engine: Engine, ids: list[int], width: int, runs: int = 100) -> float:
     """Median ms of one engine verify pass of ``width`` tokens (feed + rewind)."""
     target = engine.target
@@ -216,6 +232,7 @@ def main() -> None:
     twin = engine.target.in_place is not None  # the engine runs batch-1 calls on the in-place twin
     raw_twin_steps: list[float] = []
     bare_twin_loops: list[float] = []
+    paired: list[float] = []  # engine / raw twin call, per prompt, each pair ~0.2 s apart
     mean_past = int(np.mean([len(p) for p in prompts])) + args.new_tokens // 2
     outputs: dict[str, list[list[int]]] = {}
     for _ in range(args.repeats):
@@ -234,6 +251,7 @@ def main() -> None:
                 if twin:
                     raw_twin_steps.append(raw_in_place_step_ms(engine, mean_past, runs=100))
                     bare_twin_loops.append(bare_in_place_loop_ms(engine, prompts, args.new_tokens))
+                    paired.extend(paired_twin_ratios(engine, prompts, args.new_tokens))
     peer.close()
 
     costs = step_costs(engine, texts[0])
@@ -265,6 +283,10 @@ def main() -> None:
     if twin:
         against("the in-place twin's raw call (the graph the engine runs at batch 1)", raw_twin_steps)
         against("a bare greedy loop on the in-place twin", bare_twin_loops)
+        quartiles = statistics.quantiles(paired, n=4)
+        print(f"  vs the twin's raw call, paired per request (raw calls right after each request, at its mean "
+              f"past): median {statistics.median(paired):.2f}x over {len(paired)} requests (quartiles "
+              f"{quartiles[0]:.2f}-{quartiles[2]:.2f})")
     against("the standard graph's raw session call", raw_steps)
     against("a bare greedy loop of the standard graph feeding its presents back (past growing)", bare_loops)
     print(f"step costs (ms): target step {t_step:.2f}, verify of {k + 1} {t_verify:.2f}, " + ", ".join(
