@@ -7,7 +7,7 @@ implement are accepted only at their neutral value (``n=1``, ``echo=false``, pen
 them is told. ``null`` for an optional field is its default (``_OpenAIModel``).
 Extensions (vLLM-style extra body fields): ``speculative_mode``,
 ``num_speculative_tokens`` (the most drafts per round), ``adaptive_speculation``,
-``top_k``, ``repetition_penalty``, ``ignore_eos``, ``return_token_ids`` (each choice, and each streamed chunk, carries ``token_ids``); every
+``top_k``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``return_token_ids`` (each choice, and each streamed chunk, carries ``token_ids``); every
 response carries the request's speculative statistics under ``speculative``.
 The response bodies and SSE chunks are built in ``openai_responses.py``.
 """
@@ -87,6 +87,7 @@ class _SamplingFields(_OpenAIModel):
     top_k: int = Field(0, ge=-1)  # 0 or -1 (vLLM's spelling): no top-k cut
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     ignore_eos: bool = False
+    stop_token_ids: list[StrictInt] | None = Field(None, max_length=64)  # vLLM's: token ids that end generation
     speculative_mode: SpeculativeMode | None = None
     num_speculative_tokens: int | None = Field(None, ge=1, le=MAX_SPECULATIVE_TOKENS)
     adaptive_speculation: bool | None = None  # False pins every round to num_speculative_tokens drafts
@@ -129,7 +130,8 @@ class _SamplingFields(_OpenAIModel):
     def options(self, max_tokens: int, logprobs: bool, top_logprobs: int) -> GenerationOptions:
         return GenerationOptions(max_new_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                                  top_k=self.top_k, repetition_penalty=self.repetition_penalty, seed=self.seed,
-                                 stop=tuple(self.stop or ()), ignore_eos=self.ignore_eos, logprobs=logprobs,
+                                 stop=tuple(self.stop or ()), stop_token_ids=tuple(self.stop_token_ids or ()),
+                                 ignore_eos=self.ignore_eos, logprobs=logprobs,
                                  top_logprobs=top_logprobs, speculative_mode=self.speculative_mode,
                                  num_speculative_tokens=self.num_speculative_tokens,
                                  adaptive_speculation=self.adaptive_speculation)

@@ -260,6 +260,10 @@ class Router:
             self.factory.resolve_mode(options)
         except (ValueError, InvalidRequestError) as exc:
             raise ApiError(400, str(exc), param="speculative_mode") from exc
+        try:
+            self.factory.check_stop_token_ids(options)
+        except InvalidRequestError as exc:
+            raise ApiError(400, str(exc), param="stop_token_ids") from exc
         return options
 
     def _encode(self, prompt) -> list[int]:

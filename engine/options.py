@@ -27,6 +27,9 @@ class GenerationOptions(BaseModel):
     seed: int | None = Field(None, ge=0, description="sampling seed; same seed + same options = same output")
     stop: tuple[str, ...] = Field((), max_length=16, description="stop strings; excluded from the returned text")
     ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = Field((), max_length=64, description=(
+        "token ids that end generation (finish_reason 'stop'), ignore_eos or not; the token is kept in the "
+        "output, as vLLM's stop_token_ids"))
     logprobs: bool = Field(False, description="return the log-probability of each generated token")
     top_logprobs: int = Field(0, ge=0, le=20, description="also return this many most likely alternatives")
     speculative_mode: SpeculativeMode | None = Field(None, description="override the engine's default mode")
@@ -43,6 +46,18 @@ class GenerationOptions(BaseModel):
         if value is None:
             return ()
         return (value,) if isinstance(value, str) else value
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _ids_as_tuple(cls, value):
+        return () if value is None else tuple(value)
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _ids_not_negative(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if any(i < 0 for i in value):
+            raise ValueError("stop_token_ids must be token ids (>= 0)")
+        return value
 
     @field_validator("stop")
     @classmethod

@@ -239,6 +239,10 @@ class DriverFactory:
                                       f"(available: {', '.join(self.modes)})")
         return mode, options.num_speculative_tokens or self.speculative.num_speculative_tokens
 
+    def check_stop_token_ids(self, options: GenerationOptions) -> None:
+        if any(i >= self.vocab_size for i in options.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be token ids below the vocabulary size {self.vocab_size}")
+
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, self.vocab_size, self.max_context)
 
@@ -256,6 +260,7 @@ class DriverFactory:
     def create(self, seq_id: Hashable, prompt_ids: list[int], options: GenerationOptions,
                on_token: TokenCallback | None = None) -> SequenceDriver:
         mode, k = self.resolve_mode(options)
+        self.check_stop_token_ids(options)
         state = SequenceState(prompt_ids, options, self.tokenizer, self.eos_token_ids, self.max_context, on_token)
         kind = PROPOSER_KINDS.get(mode)
         local = kind.local_proposer(self.speculative, k) if kind is not None and kind.in_coordinator else None

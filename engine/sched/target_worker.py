@@ -192,7 +192,9 @@ class TargetWorker:
         eos = set(self.target.eos_token_ids)
 
         def ended(seq_id: Hashable, outcome: RoundOutcome) -> bool:
-            return not self._seqs[seq_id].options.ignore_eos and outcome.tokens[-1] in eos
+            options = self._seqs[seq_id].options
+            last = outcome.tokens[-1]
+            return (not options.ignore_eos and last in eos) or last in options.stop_token_ids
 
         more: dict[Hashable, list[RoundOutcome]] = {i.seq_id: [] for i in items}
         left = {i.seq_id: 0 if ended(i.seq_id, outcomes[i.seq_id]) else i.steps - 1 for i in items}

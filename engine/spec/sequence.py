@@ -41,6 +41,7 @@ class SequenceState:
         self.prompt_len = len(self.tokens)
         self.max_context = max_context
         self.eos_token_ids = frozenset(() if options.ignore_eos else eos_token_ids)
+        self.stop_token_ids = frozenset(options.stop_token_ids) - self.eos_token_ids  # kept, text and all
         self.logprobs: list[TokenLogprob] = []
         self.finish_reason: FinishReason | None = None
         self._decoder = tokenizer.stream()
@@ -75,10 +76,12 @@ class SequenceState:
             self._emit(token_id, logprob, len(self._text))
             return True
         self._text += self._decoder.push(token_id)
+        if token_id in self.stop_token_ids:
+            self._text += self._decoder.flush()
         stop_at = self._find_stop()
-        if stop_at is not None:
+        if stop_at is not None or token_id in self.stop_token_ids:
             self.finish_reason = "stop"
-            self._emit(token_id, logprob, stop_at)
+            self._emit(token_id, logprob, len(self._text) if stop_at is None else stop_at)
             return True
         if len(self.tokens) - self.prompt_len >= self.options.max_new_tokens or len(self.tokens) >= self.max_context:
             self._text += self._decoder.flush()
