@@ -7,8 +7,9 @@ implement are accepted only at their neutral value (``n=1``, ``echo=false``, pen
 them is told. ``null`` for an optional field is its default (``_OpenAIModel``).
 Extensions (vLLM-style extra body fields): ``speculative_mode``,
 ``num_speculative_tokens`` (the most drafts per round), ``adaptive_speculation``,
-``top_k``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``return_token_ids`` (each choice, and each streamed chunk, carries ``token_ids``); every
-response carries the request's speculative statistics under ``speculative``.
+``top_k``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
+``return_token_ids`` (each choice, and each streamed chunk, carries ``token_ids``);
+every response carries the request's speculative statistics under ``speculative``.
 The response bodies and SSE chunks are built in ``openai_responses.py``.
 """
 from __future__ import annotations
