@@ -15,7 +15,7 @@ The response bodies and SSE chunks are built in ``openai_responses.py``.
 from __future__ import annotations
 
 import types
-from typing import Any, ClassVar, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_validator
 
@@ -88,7 +88,7 @@ class _SamplingFields(_OpenAIModel):
     top_k: int = Field(0, ge=-1)  # 0 or -1 (vLLM's spelling): no top-k cut
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     ignore_eos: bool = False
-    stop_token_ids: list[StrictInt] | None = Field(None, max_length=64)  # vLLM's: token ids that end generation
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = Field(None, max_length=64)  # vLLM's
     speculative_mode: SpeculativeMode | None = None
     num_speculative_tokens: int | None = Field(None, ge=1, le=MAX_SPECULATIVE_TOKENS)
     adaptive_speculation: bool | None = None  # False pins every round to num_speculative_tokens drafts

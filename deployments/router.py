@@ -21,6 +21,7 @@ from typing import AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -229,7 +230,8 @@ class Router:
         self._check_model(body.model)
         prompt = self.chat_template.render([m.model_dump(exclude_none=True) for m in body.messages])
         prompt_ids = self._encode(prompt)
-        max_tokens = self._max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt_ids))
+        max_tokens = self._max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt_ids),
+                                      "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
         options = self._options(body, max_tokens, body.logprobs, body.top_logprobs or 0)
         return await self._serve(body, options, prompt_ids, chat=True)
 
@@ -239,24 +241,29 @@ class Router:
             raise ApiError(404, f"model '{model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
 
-    def _max_tokens(self, requested: int | None, prompt_tokens: int) -> int:
+    def _max_tokens(self, requested: int | None, prompt_tokens: int, param: str = "max_tokens") -> int:
         """The request's token budget. One it names must fit beside its prompt, as in
         OpenAI's API and vLLM: a client is told, not cut short at the context's end."""
         cap = self.max_tokens_cap
         if requested is None:
             return cap  # as much as the context allows (the KV reservation is capped by it)
         if requested > cap:
-            raise ApiError(400, f"max_tokens is {requested}; this server allows at most {cap}", param="max_tokens")
+            raise ApiError(400, f"{param} is {requested}; this server allows at most {cap}", param=param)
         if prompt_tokens + requested > self.max_context:
             raise ApiError(400, f"this model's maximum context length is {self.max_context} tokens; the request "
                            f"asks for {prompt_tokens + requested} ({prompt_tokens} in the prompt, {requested} for "
-                           "the completion): lower max_tokens or shorten the prompt", param="max_tokens",
+                           f"the completion): lower {param} or shorten the prompt", param=param,
                            code="context_length_exceeded")
         return requested
 
     def _options(self, body, max_tokens: int, logprobs: bool, top: int) -> GenerationOptions:
         try:
             options = body.options(max_tokens, logprobs, top)
+        except ValidationError as exc:  # the request model checks first: this is a backstop
+            first = exc.errors()[0]
+            raise ApiError(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}",
+                           param=str(first["loc"][0]) if first["loc"] else None) from exc
+        try:
             self.factory.resolve_mode(options)
         except (ValueError, InvalidRequestError) as exc:
             raise ApiError(400, str(exc), param="speculative_mode") from exc
@@ -370,35 +377,48 @@ async def token_writes(queue: asyncio.Queue, interval: int = 1,
     until it holds that many tokens (vLLM's ``--stream-interval``), and with ``min_gap_s``
     until that many seconds have passed since the stream's last write (asked afresh each
     write: the router's write budget shared by its open streams). Neither ever holds the
-    first token (time to first token is unchanged) or the last ones."""
+    first token (time to first token is unchanged) or the last ones (the one with a
+    ``finish_reason`` goes at once, not when the request's end is queued, which trails it
+    by the rest of the coordinator's tick)."""
     loop = asyncio.get_running_loop()
     sent, last_write = 0, 0.0
-    while True:
-        events = [await queue.get()]
+    getter: asyncio.Future | None = None  # a get kept across a gap's timeout: one task per wait, not per round
+    try:
         while True:
-            while not queue.empty():
-                events.append(queue.get_nowait())
-            if events[-1] is None or sent == 0:
-                break
-            if len(events) < interval:
-                events.append(await queue.get())
-                continue
-            wait = last_write + (min_gap_s() if min_gap_s is not None else 0.0) - loop.time()
-            if wait <= 0:
-                break
-            try:
-                events.append(await asyncio.wait_for(queue.get(), wait))
-            except asyncio.TimeoutError:
-                break
-        finished = events[-1] is None
-        if finished:
-            events.pop()
-        if events:
-            sent += len(events)
-            yield events
-            last_write = loop.time()
-        if finished:
-            return
+            if getter is None:
+                events = [await queue.get()]
+            else:
+                events, getter = [await getter], None
+            while True:
+                while not queue.empty():
+                    events.append(queue.get_nowait())
+                last = events[-1]
+                if last is None or last.finish_reason is not None or sent == 0:
+                    break
+                if len(events) < interval:
+                    events.append(await queue.get())
+                    continue
+                wait = last_write + (min_gap_s() if min_gap_s is not None else 0.0) - loop.time()
+                if wait <= 0:
+                    break
+                getter = getter or asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait({getter}, timeout=wait)
+                if not done:
+                    break  # the gap has passed: write; the pending get carries on for the next write
+                events.append(getter.result())
+                getter = None
+            finished = events[-1] is None
+            if finished:
+                events.pop()
+            if events:
+                sent += len(events)
+                yield events
+                last_write = loop.time()
+            if finished:
+                return
+    finally:
+        if getter is not None:
+            getter.cancel()
 
 
 # The FastAPI routes above are methods of ``Router``; Serve's ingress wrapper binds them

@@ -28,8 +28,8 @@ class GenerationOptions(BaseModel):
     stop: tuple[str, ...] = Field((), max_length=16, description="stop strings; excluded from the returned text")
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = Field((), max_length=64, description=(
-        "token ids that end generation (finish_reason 'stop'), ignore_eos or not; the token is kept in the "
-        "output, as vLLM's stop_token_ids"))
+        "token ids that end generation (finish_reason 'stop'), ignore_eos or not: the token is in token_ids "
+        "but its text is not in the text, as with EOS and vLLM's stop_token_ids"))
     logprobs: bool = Field(False, description="return the log-probability of each generated token")
     top_logprobs: int = Field(0, ge=0, le=20, description="also return this many most likely alternatives")
     speculative_mode: SpeculativeMode | None = Field(None, description="override the engine's default mode")
@@ -50,7 +50,9 @@ class GenerationOptions(BaseModel):
     @field_validator("stop_token_ids", mode="before")
     @classmethod
     def _ids_as_tuple(cls, value):
-        return () if value is None else tuple(value)
+        if value is None:
+            return ()
+        return tuple(value) if isinstance(value, (list, tuple)) else value  # a string is an error, not digits
 
     @field_validator("stop_token_ids")
     @classmethod

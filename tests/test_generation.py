@@ -75,8 +75,9 @@ def test_stop_string_truncates_and_finishes_with_stop(target_engine, heldout_pro
 
 @pytest.mark.parametrize("mode", ["none", "prompt_lookup", "draft_model", "eagle3"])
 def test_stop_token_ids_end_generation_on_that_token_even_with_ignore_eos(bundle_engine, heldout_prompts, mode):
-    """vLLM's stop_token_ids: the first of them generated ends the request, kept in the
-    output -- also in the middle of a round's accepted drafts or of a call's plain rounds."""
+    """vLLM's stop_token_ids: the first of them generated ends the request, the token in
+    token_ids but not its text (as EOS) -- also in the middle of a round's accepted drafts
+    or of a call's plain rounds."""
     prompt = heldout_prompts[5]
     options = GenerationOptions(max_new_tokens=24, ignore_eos=True, speculative_mode=mode)
     free = bundle_engine.generate(prompt, options)
@@ -85,15 +86,17 @@ def test_stop_token_ids_end_generation_on_that_token_even_with_ignore_eos(bundle
     stopped = bundle_engine.generate(prompt, options.model_copy(update={"stop_token_ids": (stop_id,)}))
     assert stopped.finish_reason == "stop"
     assert stopped.token_ids == free.token_ids[: first + 1]
-    assert stopped.text == bundle_engine.tokenizer.decode(stopped.token_ids)
+    assert stopped.text == bundle_engine.tokenizer.decode(stopped.token_ids[:-1])
+    assert free.text.startswith(stopped.text) and len(stopped.text) < len(free.text)
     assert bundle_engine.drain() and bundle_engine.target.cache.used_blocks == 0
 
 
 def test_stop_token_ids_outside_the_vocabulary_are_refused(bundle_engine):
     with pytest.raises(InvalidRequestError, match="stop_token_ids"):
         bundle_engine.generate("x", GenerationOptions(stop_token_ids=(bundle_engine.tokenizer.vocab_size,)))
-    with pytest.raises(ValueError, match="stop_token_ids"):
-        GenerationOptions(stop_token_ids=(-1,))
+    for bad in ((-1,), "12"):  # a string is not a list of digits' ids
+        with pytest.raises(ValueError, match="stop_token_ids"):
+            GenerationOptions(stop_token_ids=bad)
 
 
 def test_eos_token_finishes_with_stop(target_engine, heldout_prompts, monkeypatch):

@@ -64,14 +64,16 @@ def test_serve_run_serves_the_shipped_config(tmp_path, bundle_engine, heldout_pr
     path = tmp_path / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))
     serve_cli = Path(sys.executable).parent / "serve"
+    log = tmp_path / "serve_run.log"  # a file, not a pipe: Ray's forwarded logs would fill a pipe and block it
     # --address local: a Ray of its own, never one another test (or a developer) left running
-    process = subprocess.Popen([str(serve_cli), "run", "--address", "local", str(path)], cwd=ROOT,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    with open(log, "w") as out:
+        process = subprocess.Popen([str(serve_cli), "run", "--address", "local", str(path)], cwd=ROOT, stdout=out,
+                                   stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 240
         while True:
-            assert process.poll() is None, f"serve run exited early:\n{process.stdout.read()[-4000:]}"
+            assert process.poll() is None, f"serve run exited early:\n{log.read_text()[-4000:]}"
             try:
                 if httpx.get(f"{base}/health", timeout=5).status_code == 200:
                     break
@@ -92,5 +94,20 @@ def test_serve_run_serves_the_shipped_config(tmp_path, bundle_engine, heldout_pr
             try:
                 process.wait(timeout=90)
             except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait(timeout=30)
+                pass
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # whatever of its Ray is left in its process group
+        except ProcessLookupError:
+            pass
+        process.wait(timeout=30)
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM it if the test process dies first (a CI timeout), so no
+    ``serve run`` and its Ray outlive the test run. Linux only; elsewhere a no-op."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass

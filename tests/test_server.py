@@ -275,6 +275,7 @@ def test_a_client_that_disconnects_mid_stream_gets_its_kv_blocks_freed(server, h
     ({"model": "specserve", "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"model": "specserve", "prompt": [True, False]}, 400, "prompt"),  # token ids are integers, not booleans
     ({"model": "specserve", "prompt": "x", "stop_token_ids": [10 ** 7]}, 400, "stop_token_ids"),
+    ({"model": "specserve", "prompt": "x", "stop_token_ids": [-5]}, 400, "stop_token_ids.0"),
     ({"model": "specserve", "prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
     # the prompt fits and so does max_tokens alone, but not both: told, never cut short
     ({"model": "specserve", "prompt": "x " * 200, "max_tokens": 400}, 400, "max_tokens"),

@@ -92,3 +92,32 @@ def test_a_round_after_a_quiet_spell_longer_than_the_gap_goes_at_once():
     assert writes == [[0], [1, 2], [3, 4, 5]]
     assert 0.15 < times[1] < 0.45  # held for the gap after the first write, then written
     assert 0.6 < times[2] < 0.9    # committed at ~0.6 s, 0.4 s after the last write: not held
+
+
+def test_the_finishing_token_goes_at_once_though_the_end_of_the_queue_trails_it():
+    """The request's end (``None``) is queued after the coordinator's tick has finished
+    (releases, retiring); the token with the finish_reason must not wait for it."""
+    async def run() -> tuple[list[list[int]], list[float]]:
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+
+        async def commit() -> None:
+            queue.put_nowait(TokenEvent(0, "t0", None, None))
+            await asyncio.sleep(0.01)
+            queue.put_nowait(TokenEvent(1, "t1", None, None))
+            queue.put_nowait(TokenEvent(2, "t2", None, "length"))
+            await asyncio.sleep(0.6)  # the rest of the tick
+            queue.put_nowait(None)
+
+        producer = asyncio.ensure_future(commit())
+        writes, times = [], []
+        async for events in token_writes(queue, 4, lambda: 2.0):  # an interval and a gap: neither holds it
+            writes.append([event.token_id for event in events])
+            times.append(loop.time() - start)
+        await producer
+        return writes, times
+
+    writes, times = asyncio.run(run())
+    assert writes == [[0], [1, 2]]
+    assert times[1] < 0.3

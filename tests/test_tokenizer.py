@@ -30,6 +30,7 @@ def test_token_bytes_are_the_raw_bytes_even_where_a_token_splits_a_character():
     assert b"".join(tokenizer.token_bytes(t) for t in ids) == TEXT.encode("utf-8")
     split = [t for t in ids if tokenizer.token_text(t) == "\ufffd"]  # tokens holding part of a character
     assert split and all(tokenizer.token_bytes(t) != "\ufffd".encode() for t in split)
+    assert tokenizer.token_bytes(tokenizer.eos_token_id) == b""  # a special token: its (skipped) text
 
 
 def test_missing_tokenizer_is_a_load_error(tmp_path):

@@ -25,6 +25,7 @@ class TextTokenizer:
         eos = self.config.get("eos_token")
         eos = eos.get("content") if isinstance(eos, dict) else eos
         self.eos_token_id: int | None = self._tokenizer.token_to_id(eos) if eos else None
+        self._added = frozenset(self._tokenizer.get_added_tokens_decoder())  # special and added tokens' ids
 
     @property
     def vocab_size(self) -> int:
@@ -44,10 +45,12 @@ class TextTokenizer:
         """The token's raw bytes (OpenAI's logprob ``bytes``), which its text cannot give
         when the token holds part of a multi-byte character: a byte-level BPE's vocabulary
         string mapped back through GPT-2's byte alphabet, a byte-fallback ``<0xNN>`` as
-        its byte, else the decoded text."""
+        its byte, else (an added or special token among them) the decoded text."""
         piece = self._tokenizer.id_to_token(token_id)
         if piece is None:
             return b""
+        if token_id in self._added:  # kept as its content, not byte-level encoded
+            return self.token_text(token_id).encode("utf-8")
         if self._byte_level:
             decoded = [_BYTE_LEVEL_DECODER.get(char) for char in piece]
             if None not in decoded:

@@ -41,7 +41,7 @@ class SequenceState:
         self.prompt_len = len(self.tokens)
         self.max_context = max_context
         self.eos_token_ids = frozenset(() if options.ignore_eos else eos_token_ids)
-        self.stop_token_ids = frozenset(options.stop_token_ids) - self.eos_token_ids  # kept, text and all
+        self.stop_token_ids = frozenset(options.stop_token_ids)  # end as EOS does, ignore_eos or not
         self.logprobs: list[TokenLogprob] = []
         self.finish_reason: FinishReason | None = None
         self._decoder = tokenizer.stream()
@@ -70,18 +70,17 @@ class SequenceState:
         self.tokens.append(token_id)
         if logprob is not None:
             self.logprobs.append(logprob)
-        if token_id in self.eos_token_ids:
-            self.finish_reason = "stop"
+        if token_id in self.eos_token_ids or token_id in self.stop_token_ids:
+            self.finish_reason = "stop"  # the token is kept, its text is not (vLLM's default)
             self._text += self._decoder.flush()
-            self._emit(token_id, logprob, len(self._text))
+            stop_at = self._find_stop()  # the flushed tail may complete a stop string
+            self._emit(token_id, logprob, len(self._text) if stop_at is None else stop_at)
             return True
         self._text += self._decoder.push(token_id)
-        if token_id in self.stop_token_ids:
-            self._text += self._decoder.flush()
         stop_at = self._find_stop()
-        if stop_at is not None or token_id in self.stop_token_ids:
+        if stop_at is not None:
             self.finish_reason = "stop"
-            self._emit(token_id, logprob, len(self._text) if stop_at is None else stop_at)
+            self._emit(token_id, logprob, stop_at)
             return True
         if len(self.tokens) - self.prompt_len >= self.options.max_new_tokens or len(self.tokens) >= self.max_context:
             self._text += self._decoder.flush()
