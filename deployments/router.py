@@ -16,6 +16,7 @@ import logging
 import os
 import time
 import uuid
+import weakref
 from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
@@ -311,7 +312,9 @@ class Router:
                 raise _as_api_error(exc) from exc
             return shaper.full(driver)
         run.add_done_callback(lambda _: queue.put_nowait(None))
-        return StreamingResponse(self._stream(driver, run, queue, shaper), media_type="text/event-stream")
+        stream = self._stream(driver, run, queue, shaper)
+        cancel_when_dropped(stream, run)
+        return StreamingResponse(stream, media_type="text/event-stream")
 
     def _write_gap_s(self) -> float:
         """How long a stream waits between writes: its share of the router's write budget
@@ -366,6 +369,20 @@ def _as_api_error(exc: BaseException) -> ApiError:
         return ApiError(500, str(exc), type_="server_error")
     log.exception("request failed", exc_info=exc)
     return ApiError(500, f"internal error: {type(exc).__name__}", type_="server_error")
+
+
+def cancel_when_dropped(stream: AsyncIterator[str], run: asyncio.Future) -> None:
+    """Cancel ``run`` once ``stream`` is garbage: a stream whose client left before its
+    first chunk is never started, so its own ``finally`` (which cancels the request when
+    the client goes mid-stream) never runs, and the request would decode to its end.
+    Thread-safe: the collector may run in another of the replica's threads."""
+    loop = asyncio.get_running_loop()
+
+    def cancel() -> None:
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(run.cancel)  # a no-op for a run that finished
+
+    weakref.finalize(stream, cancel)
 
 
 async def token_writes(queue: asyncio.Queue, interval: int = 1,

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from deployments.router import token_writes
+from deployments.router import cancel_when_dropped, token_writes
 from engine.spec.sequence import TokenEvent
 
 
@@ -121,3 +121,26 @@ def test_the_finishing_token_goes_at_once_though_the_end_of_the_queue_trails_it(
     writes, times = asyncio.run(run())
     assert writes == [[0], [1, 2]]
     assert times[1] < 0.3
+
+
+def test_a_stream_dropped_before_it_started_cancels_its_request():
+    """A client that leaves before the first chunk: the response never starts the stream,
+    so only its collection can stop the request from decoding to its end."""
+    import gc
+
+    async def run() -> tuple[bool, bool]:
+        async def chunks():
+            yield "never started"
+
+        never_started, finished = asyncio.get_running_loop().create_future(), asyncio.get_running_loop().create_future()
+        cancel_when_dropped(chunks(), never_started)
+        finished.set_result(None)
+        streamed = chunks()
+        cancel_when_dropped(streamed, finished)
+        assert [c async for c in streamed] == ["never started"]
+        del streamed
+        gc.collect()
+        await asyncio.sleep(0.01)
+        return never_started.cancelled(), finished.cancelled()
+
+    assert asyncio.run(run()) == (True, False)  # the dropped one cancelled; a finished run left alone
