@@ -35,10 +35,10 @@ class ServeSettings(BaseModel):
         "the HTTP proxy a message per round per request (measured here at 16 streams, target-only: 4 took "
         "611-628 to 678-714 tokens/s)"))
     stream_writes_per_s: float | None = Field(250.0, gt=0, description=(
-        "the router's budget of stream writes per second, shared by its open streams: each stream waits "
-        "at least (open streams - 1) / budget between writes (never for its first or last tokens), so at "
-        "load a write carries several rounds' tokens and the router and the HTTP proxy are not swamped by "
-        "one message per round per stream; a lone stream is never held back. "
+        "the router's budget of stream writes per second: while it writes more, each stream waits its share, "
+        "(open streams - 1) / budget, between writes (never for its first or last tokens), so at load a "
+        "write carries several rounds' tokens and the router and the HTTP proxy are not swamped by one "
+        "message per round per stream; below the budget, and for a lone stream, nothing waits. "
         "None = no budget (every round's tokens as they commit, or per stream_interval)"))
 
     deployment_overrides: dict[str, dict] = Field(

@@ -238,8 +238,8 @@ def test_rounds_call_the_workers_directly_not_through_serve(client, heldout_prom
     assert target["steps"] - target_before >= rounds and target["serve_steps"] == 0
 
 
-def _open_streams(server: str) -> int:
-    return httpx.get(f"{server}/specserve/status", headers=AUTH, timeout=30).json()["open_streams"]
+def _status(server: str) -> dict:
+    return httpx.get(f"{server}/specserve/status", headers=AUTH, timeout=30).json()
 
 
 def test_a_client_that_disconnects_mid_stream_gets_its_kv_blocks_freed(server, heldout_prompts):
@@ -252,10 +252,13 @@ def test_a_client_that_disconnects_mid_stream_gets_its_kv_blocks_freed(server, h
         assert seen and json.loads(seen[0][5:])["choices"]
         usage = _handle("Router").kv_usage.remote().result()
         assert usage["sequences"] == 1 and usage["free_blocks"] < usage["total_blocks"]
-        assert _open_streams(server) == 1  # it shares the router's write budget while it lasts
+        writes = _status(server)["stream_writes"]
+        assert _status(server)["open_streams"] == 1  # it shares the router's write budget while it lasts
     usage = _kv_all_free()  # closed mid-stream: the request is retired and its reservation freed
     assert usage["free_blocks"] == usage["total_blocks"] and usage["sequences"] == 0
-    assert _open_streams(server) == 0  # and it no longer takes a share of the write budget
+    status = _status(server)
+    assert status["open_streams"] == 0  # and it no longer takes a share of the write budget
+    assert writes >= 1 and status["stream_writes"] >= writes  # its writes were counted
     assert _handle("TargetModel").kv_usage.remote().result()["sequences"] == 0
     assert _handle("DraftModelProposer").transport_stats.remote().result()["sequences"] == 0
 

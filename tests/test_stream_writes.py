@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from deployments.router import cancel_when_dropped, token_writes
+from deployments.router import WriteBudget, cancel_when_dropped, token_writes
 from engine.spec.sequence import TokenEvent
 
 
@@ -144,3 +144,18 @@ def test_a_stream_dropped_before_it_started_cancels_its_request():
         return never_started.cancelled(), finished.cancelled()
 
     assert asyncio.run(run()) == (True, False)  # the dropped one cancelled; a finished run left alone
+
+
+def test_the_write_budget_holds_streams_only_while_the_router_writes_more_than_it():
+    budget = WriteBudget(100.0, window_s=1.0)
+    assert budget.gap_s(0.0, 16) == 0.0  # nothing written yet
+    for i in range(50):  # 50 writes a second: under the budget
+        budget.wrote(i / 50)
+    assert budget.gap_s(1.0, 16) == 0.0
+    for i in range(400):  # then 400 a second for a second
+        budget.wrote(1.0 + i / 400)
+    assert budget.rate(2.0) > 100
+    assert budget.gap_s(2.0, 16) == 15 / 100  # each stream its share of the other 15's
+    assert budget.gap_s(2.0, 1) == 0.0       # a lone stream never waits
+    assert budget.gap_s(6.0, 16) == 0.0      # quiet for 4 s: the rate has decayed under the budget
+    assert WriteBudget(None).gap_s(0.0, 16) == 0.0
