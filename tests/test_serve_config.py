@@ -6,6 +6,7 @@ application at deploy time otherwise, on a cluster, long after a typo was made).
 CLI in its own process, its own local Ray, the official client against it."""
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -102,12 +103,15 @@ def test_serve_run_serves_the_shipped_config(tmp_path, bundle_engine, heldout_pr
         process.wait(timeout=30)
 
 
+try:  # resolved here, in the parent: the child between fork and exec must not import
+    _PRCTL = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+except OSError:
+    _PRCTL = None
+_PR_SET_PDEATHSIG = 1
+
+
 def _die_with_parent() -> None:
     """In the child: SIGTERM it if the test process dies first (a CI timeout), so no
     ``serve run`` and its Ray outlive the test run. Linux only; elsewhere a no-op."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
