@@ -445,7 +445,7 @@ async def token_writes(queue: asyncio.Queue, interval: int = 1,
                 wait = last_write + (min_gap_s() if min_gap_s is not None else 0.0) - loop.time()
                 if wait <= 0:
                     break
-                getter = getter or asyncio.ensure_future(queue.get())
+                getter = asyncio.ensure_future(queue.get())
                 done, _ = await asyncio.wait({getter}, timeout=wait)
                 if not done:
                     break  # the gap has passed: write; the pending get carries on for the next write

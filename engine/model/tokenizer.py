@@ -26,6 +26,7 @@ class TextTokenizer:
         eos = eos.get("content") if isinstance(eos, dict) else eos
         self.eos_token_id: int | None = self._tokenizer.token_to_id(eos) if eos else None
         self._added = frozenset(self._tokenizer.get_added_tokens_decoder())  # special and added tokens' ids
+        self._byte_level = type(self._tokenizer.decoder).__name__ == "ByteLevel"
 
     @property
     def vocab_size(self) -> int:
@@ -59,10 +60,6 @@ class TextTokenizer:
             return bytes([int(piece[3:5], 16)])
         return self.token_text(token_id).encode("utf-8")
 
-    @property
-    def _byte_level(self) -> bool:
-        return type(self._tokenizer.decoder).__name__ == "ByteLevel"
-
     def stream(self) -> "StreamDecoder":
         return StreamDecoder(self)
 
@@ -70,13 +67,8 @@ class TextTokenizer:
 def _byte_level_alphabet() -> dict[str, int]:
     """GPT-2's byte <-> printable character table, inverted: character -> byte."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = list(printable), 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(char): byte for byte, char in zip(printable, chars)}
+    shifted = [byte for byte in range(256) if byte not in printable]  # drawn as 256, 257, ... in order
+    return {chr(byte): byte for byte in printable} | {chr(256 + i): byte for i, byte in enumerate(shifted)}
 
 
 _BYTE_LEVEL_DECODER = _byte_level_alphabet()
