@@ -2,12 +2,12 @@
 
 Requests are strict: a field this server does not know is a 400 naming the field,
 rather than a silently ignored setting. Fields OpenAI defines but specserve does not
-implement are accepted only at their neutral value (``n=1``, ``echo=false``, penalties
-0, ``tools`` null, ...), so a client that sends defaults works and one that relies on
-them is told. ``null`` for an optional field is its default (``_OpenAIModel``).
+implement are accepted only at their neutral value (``echo=false``, ``best_of`` 1,
+``tools`` null, ...), so a client that sends defaults works and one that relies on them is told.
+``null`` for an optional field is its default (``_OpenAIModel``).
 Extensions (vLLM-style extra body fields): ``speculative_mode``,
 ``num_speculative_tokens`` (the most drafts per round), ``adaptive_speculation``,
-``top_k``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
+``top_k``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``,
 ``return_token_ids`` (each choice, and each streamed chunk, carries ``token_ids``);
 every response carries the request's speculative statistics under ``speculative``.
 The response bodies and SSE chunks are built in ``openai_responses.py``.
@@ -19,7 +19,9 @@ from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origi
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_validator
 
-from engine.options import MAX_SPECULATIVE_TOKENS, GenerationOptions, SpeculativeMode
+from engine.options import MAX_LOGIT_BIAS, MAX_SPECULATIVE_TOKENS, GenerationOptions, SpeculativeMode
+
+MAX_CHOICES = 16  # n: each choice reserves its own KV
 
 
 class ApiError(Exception):
@@ -74,14 +76,14 @@ class _SamplingFields(_OpenAIModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: Literal[1] = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # each choice is a sequence of its own (seeded: seed + its index)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    presence_penalty: Literal[0, 0.0] = 0.0
-    frequency_penalty: Literal[0, 0.0] = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
     response_format: dict[str, Any] | None = None  # only plain text: {"type": "text"}
     # extensions
@@ -89,6 +91,7 @@ class _SamplingFields(_OpenAIModel):
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = Field(None, max_length=64)  # vLLM's
+    min_tokens: int = Field(0, ge=0)  # vLLM's: no EOS, stop token or stop string before this many tokens
     speculative_mode: SpeculativeMode | None = None
     num_speculative_tokens: int | None = Field(None, ge=1, le=MAX_SPECULATIVE_TOKENS)
     adaptive_speculation: bool | None = None  # False pins every round to num_speculative_tokens drafts
@@ -123,14 +126,18 @@ class _SamplingFields(_OpenAIModel):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, value):
-        if value:
-            raise ValueError("logit_bias is not supported by this server")
+    def _bias_ids(cls, value):
+        """OpenAI's keys are token ids as strings ("50256"); anything else is an error."""
+        if value and not all(key.strip().isdigit() for key in value):
+            raise ValueError("logit_bias keys must be token ids (digits), e.g. {\"50256\": -100}")
         return value
 
     def options(self, max_tokens: int, logprobs: bool, top_logprobs: int) -> GenerationOptions:
         return GenerationOptions(max_new_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                                  top_k=self.top_k, repetition_penalty=self.repetition_penalty, seed=self.seed,
+                                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                                 logit_bias={int(key): bias for key, bias in (self.logit_bias or {}).items()},
+                                 min_tokens=self.min_tokens,
                                  stop=tuple(self.stop or ()), stop_token_ids=tuple(self.stop_token_ids or ()),
                                  ignore_eos=self.ignore_eos, logprobs=logprobs,
                                  top_logprobs=top_logprobs, speculative_mode=self.speculative_mode,

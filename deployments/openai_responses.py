@@ -3,14 +3,18 @@ engine committed for a request (its ``SequenceState``, ``SpeculativeStats`` and
 ``TokenEvent``s). The router only runs the request; everything the client reads is
 shaped here, next to the request models in ``openai_protocol.py``.
 
-Every response carries the request's speculative statistics under ``speculative``; with
-``return_token_ids`` each choice (and each streamed chunk) carries ``token_ids``.
+Every response carries the request's speculative statistics under ``speculative`` (over
+all its choices; a streamed choice's finishing chunk carries that choice's); with
+``return_token_ids`` each choice (and each streamed chunk) carries ``token_ids``. A
+request with ``n`` choices runs ``n`` sequences, one per choice index.
 """
 from __future__ import annotations
 
+import copy
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from engine.sched.sequence_driver import SequenceDriver
@@ -38,6 +42,26 @@ def speculative_body(stats: SpeculativeStats, num_speculative_tokens: int) -> di
             "mean_accepted_length": round(stats.mean_accepted_length, 4),
             "accepted_per_position": list(stats.accepted_per_position),
             "draft_per_position": list(stats.proposed_per_position)}
+
+
+@dataclass(frozen=True)
+class ChoiceEvent:
+    """A committed token of one of a request's choices, as the stream queues it."""
+
+    index: int
+    event: TokenEvent
+
+    @property
+    def finish_reason(self) -> str | None:  # what ``router.token_writes`` looks at
+        return self.event.finish_reason
+
+
+def merged_stats(drivers: Sequence[SequenceDriver]) -> SpeculativeStats:
+    """The request's speculative statistics over all its choices."""
+    total = copy.deepcopy(drivers[0].stats)
+    for driver in drivers[1:]:
+        total.merge(driver.stats)
+    return total
 
 
 def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -77,25 +101,33 @@ class ResponseShaper:
         self.model_name, self.chat, self.token_ids, self.include_usage = model_name, chat, token_ids, include_usage
         self.token_bytes = token_bytes
         self.id, self.created = new_id("chatcmpl" if chat else "cmpl"), now()
-        self._offset = 0  # token text streamed so far (completion logprobs' text_offset)
+        self._offsets: dict[int, int] = {}  # per choice, token text streamed so far (text_offset)
 
     # -- whole response ------------------------------------------------------------------
-    def full(self, driver: SequenceDriver) -> dict:
-        state = driver.state
-        logprobs = state.logprobs if state.options.logprobs else None
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": state.text},
-                      "finish_reason": state.finish_reason,
-                      "logprobs": chat_logprobs(logprobs, self.token_bytes) if logprobs is not None else None}
-        else:
-            choice = {"index": 0, "text": state.text, "finish_reason": state.finish_reason,
-                      "logprobs": completion_logprobs(logprobs) if logprobs is not None else None}
-        if self.token_ids:
-            choice["token_ids"] = list(state.generated)
+    def full(self, drivers: Sequence[SequenceDriver]) -> dict:
+        choices = []
+        for index, driver in enumerate(drivers):
+            state = driver.state
+            logprobs = state.logprobs if state.options.logprobs else None
+            if self.chat:
+                choice = {"index": index, "message": {"role": "assistant", "content": state.text},
+                          "finish_reason": state.finish_reason,
+                          "logprobs": chat_logprobs(logprobs, self.token_bytes) if logprobs is not None else None}
+            else:
+                choice = {"index": index, "text": state.text, "finish_reason": state.finish_reason,
+                          "logprobs": completion_logprobs(logprobs) if logprobs is not None else None}
+            if self.token_ids:
+                choice["token_ids"] = list(state.generated)
+            choices.append(choice)
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model_name, "choices": [choice],
-                "usage": usage_body(state.prompt_len, len(state.generated)),
-                "speculative": speculative_body(driver.stats, driver.num_drafts)}
+                "created": self.created, "model": self.model_name, "choices": choices,
+                "usage": self._usage(drivers),
+                "speculative": speculative_body(merged_stats(drivers), drivers[0].num_drafts)}
+
+    @staticmethod
+    def _usage(drivers: Sequence[SequenceDriver]) -> dict:
+        """The prompt counted once, as OpenAI does for ``n`` choices."""
+        return usage_body(drivers[0].state.prompt_len, sum(len(d.state.generated) for d in drivers))
 
     # -- stream --------------------------------------------------------------------------
     def _chunk(self, choices: list, **extra) -> str:
@@ -105,45 +137,47 @@ class ResponseShaper:
         return "data: " + json.dumps({"id": self.id, "object": kind, "created": self.created,
                                       "model": self.model_name, "choices": choices, **extra}) + "\n\n"
 
-    def opening(self) -> str:
-        """What a stream starts with: chat announces the assistant role; completions nothing."""
+    def opening(self, choices: int = 1) -> str:
+        """What a stream starts with: chat announces the assistant role, per choice;
+        completions nothing."""
         if not self.chat:
             return ""
-        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}])
+        return "".join(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None}]) for index in range(choices))
 
-    def tokens(self, events: Sequence[TokenEvent], driver: SequenceDriver) -> str:
+    def tokens(self, events: Sequence[ChoiceEvent], drivers: Sequence[SequenceDriver]) -> str:
         """One chunk per committed token, concatenated: a round's tokens go out as one write.
-        The last token's chunk (the one with ``finish_reason``) also carries the speculative
-        statistics: the request has finished, so they are final."""
+        A choice's last token's chunk (the one with ``finish_reason``) also carries that
+        choice's speculative statistics: it has finished, so they are final."""
         parts = []
-        for event in events:
+        for item in events:
+            index, event, driver = item.index, item.event, drivers[item.index]
             extra = {"speculative": speculative_body(driver.stats, driver.num_drafts)} if event.finish_reason else {}
             logprobs = None
             if event.logprob is not None:
+                offset = self._offsets.get(index, 0)
                 logprobs = (chat_logprobs([event.logprob], self.token_bytes) if self.chat
-                            else completion_logprobs([event.logprob], self._offset))
+                            else completion_logprobs([event.logprob], offset))
                 # text_offset counts token texts, as the whole response's does: a stream's
                 # text may lag its tokens (a possible stop string held back)
-                self._offset += len(event.logprob.token)
+                self._offsets[index] = offset + len(event.logprob.token)
             ids = {"token_ids": [event.token_id]} if self.token_ids else {}
             if self.chat:
                 delta = {"content": event.text} if event.text else {}
-                parts.append(self._chunk([{"index": 0, "delta": delta, "logprobs": logprobs,
+                parts.append(self._chunk([{"index": index, "delta": delta, "logprobs": logprobs,
                                            "finish_reason": event.finish_reason, **ids}], **extra))
             else:
-                parts.append(self._chunk([{"index": 0, "text": event.text, "logprobs": logprobs,
+                parts.append(self._chunk([{"index": index, "text": event.text, "logprobs": logprobs,
                                            "finish_reason": event.finish_reason, **ids}], **extra))
         return "".join(parts)
 
-    def closing(self, driver: SequenceDriver) -> str:
+    def closing(self, drivers: Sequence[SequenceDriver]) -> str:
         """After the last token: the usage chunk (empty ``choices``) if the client asked for
         it with ``stream_options.include_usage``, as OpenAI sends it; else nothing (a client
         reading ``chunk.choices[0]`` must never meet an empty chunk it did not ask for)."""
         if not self.include_usage:
             return ""
-        state = driver.state
-        return self._chunk([], usage=usage_body(state.prompt_len, len(state.generated)))
+        return self._chunk([], usage=self._usage(drivers))
 
     @staticmethod
     def error(error: ApiError) -> str:

@@ -41,7 +41,7 @@ from engine.spec.sequence import TokenEvent
 
 from .metrics import ServeRoundMetrics
 from .openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest
-from .openai_responses import SSE_DONE, ResponseShaper
+from .openai_responses import SSE_DONE, ChoiceEvent, ResponseShaper
 from .settings import ServeSettings
 from .transport import ServeTransport
 
@@ -260,6 +260,9 @@ class Router:
         return requested
 
     def _options(self, body, max_tokens: int, logprobs: bool, top: int) -> GenerationOptions:
+        if body.min_tokens > max_tokens:
+            raise ApiError(400, f"min_tokens ({body.min_tokens}) must not exceed the request's token budget "
+                           f"({max_tokens})", param="min_tokens")
         try:
             options = body.options(max_tokens, logprobs, top)
         except ValidationError as exc:  # the request model checks first: this is a backstop
@@ -271,9 +274,9 @@ class Router:
         except (ValueError, InvalidRequestError) as exc:
             raise ApiError(400, str(exc), param="speculative_mode") from exc
         try:
-            self.factory.check_stop_token_ids(options)
+            self.factory.check_token_ids(options)
         except InvalidRequestError as exc:
-            raise ApiError(400, str(exc), param="stop_token_ids") from exc
+            raise ApiError(400, str(exc), param=exc.param) from exc
         return options
 
     def _encode(self, prompt) -> list[int]:
@@ -284,24 +287,38 @@ class Router:
                            if "context limit" in str(exc) else None) from exc
 
     async def _serve(self, body, options: GenerationOptions, prompt_ids: list[int], chat: bool):
+        """Run the request's ``n`` choices, each a sequence of its own (admitted together:
+        all or none), and answer with all of them, or stream them as they commit."""
         arrived = time.perf_counter()
-        queue: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
-        stamps: list[float] = []
+        queue: asyncio.Queue[ChoiceEvent | None] = asyncio.Queue()
+        drivers, stamps = [], []
+        for index, choice in enumerate(choice_options(options, body.n)):
+            times: list[float] = []
 
-        def on_token(event: TokenEvent) -> None:
-            stamps.append(time.perf_counter())
-            if body.stream:
-                queue.put_nowait(event)
+            def on_token(event: TokenEvent, index: int = index, times: list[float] = times) -> None:
+                times.append(time.perf_counter())
+                if body.stream:
+                    queue.put_nowait(ChoiceEvent(index, event))
 
-        driver = self.factory.create(uuid.uuid4().hex, prompt_ids, options, on_token)
-        try:
-            admitted = await self.coordinator.admit(driver)  # 503 here, before any stream starts
-        except Exception as exc:  # noqa: BLE001
-            self.metrics.request_done(driver.mode, "rejected", [], arrived)
-            raise _as_api_error(exc) from exc
-        run = asyncio.ensure_future(self.coordinator.follow(admitted))
-        run.add_done_callback(lambda task: self.metrics.request_done(
-            driver.mode, "cancelled" if task.cancelled() else "error" if task.exception() else "ok", stamps, arrived))
+            drivers.append(self.factory.create(uuid.uuid4().hex, prompt_ids, choice, on_token))
+            stamps.append(times)
+        # 503 here, before any stream starts; a choice that cannot be admitted takes its siblings with it
+        admissions = await asyncio.gather(*(self.coordinator.admit(d) for d in drivers), return_exceptions=True)
+        failure = next((a for a in admissions if isinstance(a, BaseException)), None)
+        if failure is not None:
+            for driver, admitted in zip(drivers, admissions):
+                if isinstance(admitted, BaseException):
+                    self.metrics.request_done(driver.mode, "rejected", [], arrived)
+                else:
+                    self.coordinator.retire(admitted)
+            raise _as_api_error(failure) from failure
+        tasks = []
+        for driver, times, admitted in zip(drivers, stamps, admissions):
+            task = asyncio.ensure_future(self.coordinator.follow(admitted))
+            task.add_done_callback(lambda t, mode=driver.mode, times=times: self.metrics.request_done(
+                mode, "cancelled" if t.cancelled() else "error" if t.exception() else "ok", times, arrived))
+            tasks.append(task)
+        run = asyncio.ensure_future(all_choices(tasks))
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         shaper = ResponseShaper(self.model_name, chat, body.return_token_ids, include_usage, self.tokenizer.token_bytes)
         if not body.stream:
@@ -312,29 +329,29 @@ class Router:
                 raise
             except Exception as exc:  # noqa: BLE001
                 raise _as_api_error(exc) from exc
-            return shaper.full(driver)
+            return shaper.full(drivers)
         run.add_done_callback(lambda _: queue.put_nowait(None))
-        stream = self._stream(driver, run, queue, shaper)
+        stream = self._stream(drivers, run, queue, shaper)
         cancel_when_dropped(stream, run)
         return StreamingResponse(stream, media_type="text/event-stream")
 
     def _write_gap_s(self) -> float:
         return self.write_budget.gap_s(time.monotonic(), self._open_streams)
 
-    async def _stream(self, driver, run: asyncio.Future, queue: asyncio.Queue,
+    async def _stream(self, drivers: list, run: asyncio.Future, queue: asyncio.Queue,
                       shaper: ResponseShaper) -> AsyncIterator[str]:
         """Forward committed tokens as they come; a client that disconnects cancels the request."""
         self._open_streams += 1
         try:
-            if opening := shaper.opening():
+            if opening := shaper.opening(len(drivers)):
                 yield opening
             async for events in token_writes(queue, self.settings.stream_interval, self._write_gap_s):
                 self.write_budget.wrote(time.monotonic())
-                yield shaper.tokens(events, driver)
+                yield shaper.tokens(events, drivers)
             failure = run.exception()
             if failure is not None:
                 yield shaper.error(_as_api_error(failure))
-            elif closing := shaper.closing(driver):
+            elif closing := shaper.closing(drivers):
                 yield closing
             yield SSE_DONE
         finally:
@@ -398,6 +415,24 @@ class WriteBudget:
         return max(0, open_streams - 1) / self.per_s
 
 
+def choice_options(options: GenerationOptions, n: int) -> list[GenerationOptions]:
+    """Each of ``n`` choices' options: a seeded request's choice i draws from seed + i, as
+    vLLM seeds its parallel samples, so each choice differs and the whole is reproducible."""
+    if options.seed is None:
+        return [options] * n
+    return [options.model_copy(update={"seed": options.seed + i}) for i in range(n)]
+
+
+async def all_choices(tasks: list[asyncio.Task]) -> None:
+    """Wait for every choice of a request; on the first failure, or when cancelled, the
+    rest are cancelled too (their sequences retired, their KV freed)."""
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()  # a no-op for a finished one
+
+
 def cancel_when_dropped(stream: AsyncIterator[str], run: asyncio.Future) -> None:
     """Cancel ``run`` once ``stream`` is garbage: a stream whose client left before its
     first chunk is never started, so its own ``finally`` (which cancels the request when
@@ -412,9 +447,10 @@ def cancel_when_dropped(stream: AsyncIterator[str], run: asyncio.Future) -> None
     weakref.finalize(stream, cancel)
 
 
-async def token_writes(queue: asyncio.Queue, interval: int = 1,
-                       min_gap_s: Callable[[], float] | None = None) -> AsyncIterator[list[TokenEvent]]:
-    """Group a request's committed tokens (``None`` ends the queue) into stream writes.
+async def token_writes(queue: asyncio.Queue, interval: int = 1, min_gap_s: Callable[[], float] | None = None
+                       ) -> AsyncIterator[list[ChoiceEvent | TokenEvent]]:
+    """Group a request's committed tokens (``None`` ends the queue; each has a
+    ``finish_reason``: the router queues its choices' ``ChoiceEvent``s) into stream writes.
 
     A round commits several tokens at once and they go as one write, so a round costs one
     message to the HTTP proxy, not one per token. With ``interval`` > 1 a write also waits

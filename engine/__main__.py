@@ -25,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--presence-penalty", type=float, default=0.0)
+    gen.add_argument("--frequency-penalty", type=float, default=0.0)
+    gen.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop string before this many tokens")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--speculative", choices=SPECULATIVE_MODES, default="none",
@@ -40,6 +43,8 @@ def generate(args: argparse.Namespace) -> int:
     try:
         options = GenerationOptions(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                     top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                                    presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                                    min_tokens=args.min_tokens,
                                     seed=args.seed, stop=tuple(args.stop), speculative_mode=args.speculative,
                                     num_speculative_tokens=args.num_speculative_tokens)
         # Load only the proposer this run uses: start-up stays fast.

@@ -11,7 +11,12 @@ class ModelLoadError(EngineError):
 
 
 class InvalidRequestError(EngineError, ValueError):
-    """The request itself is wrong (too long a prompt, bad token ids); nothing was changed."""
+    """The request itself is wrong (too long a prompt, bad token ids); nothing was changed.
+    ``param`` names the option at fault, where one is."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class PromptTooLongError(InvalidRequestError):

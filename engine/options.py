@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 SpeculativeMode = Literal["none", "prompt_lookup", "draft_model", "mtp", "eagle3", "shared_kv"]
 SPECULATIVE_MODES: tuple[str, ...] = SpeculativeMode.__args__
 MAX_SPECULATIVE_TOKENS = 16
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 
 
 class GenerationOptions(BaseModel):
@@ -24,6 +25,16 @@ class GenerationOptions(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass; 1 = off")
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0,
                                       description="HF-style penalty on tokens already in the context; 1 = off")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description=(
+        "subtracted from the logit of every token already generated (not the prompt's), as OpenAI and vLLM do"))
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description=(
+        "subtracted from a token's logit once per time it was generated (not counting the prompt)"))
+    logit_bias: tuple[tuple[int, float], ...] = Field((), max_length=MAX_LOGIT_BIAS, description=(
+        "(token id, bias) pairs added to the logits before anything else (a dict is accepted); -100 bans a "
+        "token, 100 all but forces it"))
+    min_tokens: int = Field(0, ge=0, description=(
+        "generate at least this many tokens: until then EOS and stop_token_ids are masked out and stop strings "
+        "are not looked for (vLLM's min_tokens)"))
     seed: int | None = Field(None, ge=0, description="sampling seed; same seed + same options = same output")
     stop: tuple[str, ...] = Field((), max_length=16, description="stop strings; excluded from the returned text")
     ignore_eos: bool = False
@@ -67,6 +78,29 @@ class GenerationOptions(BaseModel):
         if any(not s for s in value):
             raise ValueError("stop strings must be non-empty")
         return value
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_as_pairs(cls, value):
+        if value is None:
+            return ()
+        return tuple(sorted(value.items())) if isinstance(value, dict) else value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_in_range(cls, value: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+        ids = [token for token, _ in value]
+        if any(token < 0 for token in ids) or len(set(ids)) != len(ids):
+            raise ValueError("logit_bias keys must be distinct token ids (>= 0)")
+        if any(not -100.0 <= bias <= 100.0 for _, bias in value):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        return value
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> "GenerationOptions":
+        if self.min_tokens > self.max_new_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_new_tokens ({self.max_new_tokens})")
+        return self
 
     @property
     def greedy(self) -> bool:

@@ -140,6 +140,58 @@ def test_a_seeded_sampled_request_gives_the_same_tokens_in_process_and_through_t
     assert (spec["draft_tokens"] > 0) == (mode != "none")  # sampled rounds really checked drafts
 
 
+@pytest.mark.parametrize("mode", ["none", "draft_model", "eagle3"])
+def test_penalties_logit_bias_and_min_tokens_through_the_openai_client_match_the_engine(client, bundle_engine,
+                                                                                      heldout_prompts, mode):
+    """OpenAI's presence_penalty, frequency_penalty and logit_bias (string token ids), and
+    vLLM's min_tokens, reach the same rules the engine applies: same tokens, sampled and
+    seeded too (the draft model's drafts follow the rules; the proposer worker gets them)."""
+    prompt = heldout_prompts[5]
+    free = bundle_engine.generate(prompt, GenerationOptions(max_new_tokens=24, speculative_mode="none"))
+    banned, stopper = free.token_ids[1], free.token_ids[2]
+    rules = dict(presence_penalty=0.6, frequency_penalty=0.3, min_tokens=10, stop_token_ids=[stopper])
+    for temperature in (0.0, 0.8):
+        response = client.completions.create(
+            model="specserve", prompt=prompt, max_tokens=24, temperature=temperature, seed=5,
+            presence_penalty=0.6, frequency_penalty=0.3, logit_bias={str(banned): -100},
+            extra_body={"speculative_mode": mode, "return_token_ids": True, "min_tokens": 10,
+                        "stop_token_ids": [stopper]})
+        expected = bundle_engine.generate(prompt, GenerationOptions(
+            max_new_tokens=24, temperature=temperature, seed=5, logit_bias={banned: -100.0}, speculative_mode=mode,
+            **rules))
+        tokens = response.choices[0].model_extra["token_ids"]
+        assert tokens == expected.token_ids and response.choices[0].text == expected.text
+        assert banned not in tokens and len(tokens) >= 10 and stopper not in tokens[:9]
+    assert tokens != free.token_ids
+
+
+def test_n_choices_are_seeded_siblings_and_stream_interleaved_by_index(client, bundle_engine, heldout_prompts):
+    """``n`` runs n sequences; a seeded request's choice i is what the engine gives with
+    seed + i (vLLM's convention), whole or streamed; usage counts the prompt once."""
+    prompt, seed = heldout_prompts[8], 321
+    response = client.completions.create(model="specserve", prompt=prompt, max_tokens=16, temperature=0.9, seed=seed,
+                                         n=3, extra_body={"speculative_mode": "eagle3", "return_token_ids": True})
+    expected = [bundle_engine.generate(prompt, GenerationOptions(max_new_tokens=16, temperature=0.9, seed=seed + i,
+                                                                 speculative_mode="eagle3")) for i in range(3)]
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    assert [c.model_extra["token_ids"] for c in response.choices] == [e.token_ids for e in expected]
+    assert len({tuple(e.token_ids) for e in expected}) > 1  # the seeds differ, so do the samples
+    assert response.usage.prompt_tokens == len(bundle_engine.factory.encode(prompt))
+    assert response.usage.completion_tokens == sum(len(e.token_ids) for e in expected)
+    assert response.model_extra["speculative"]["rounds"] == sum(e.speculative.verification_steps for e in expected)
+    chat = dict(model="specserve", messages=[{"role": "user", "content": prompt}], max_tokens=12, temperature=0.9,
+                seed=seed, n=2)
+    whole = client.chat.completions.create(**chat)
+    texts, finished, roles = {0: "", 1: ""}, {0: 0, 1: 0}, {0: 0, 1: 0}
+    for chunk in client.chat.completions.create(**chat, stream=True):
+        for choice in chunk.choices:
+            roles[choice.index] += choice.delta.role == "assistant"
+            texts[choice.index] += choice.delta.content or ""
+            finished[choice.index] += choice.finish_reason is not None
+    assert texts == {c.index: c.message.content for c in whole.choices} and finished == roles == {0: 1, 1: 1}
+    assert _kv_all_free()["sequences"] == 0
+
+
 def test_chat_completion_and_its_stream_agree(client):
     messages = [{"role": "user", "content": "Write a function that reverses a list."}]
     full = client.chat.completions.create(model="specserve", messages=messages, max_tokens=20, temperature=0)
@@ -271,7 +323,8 @@ def test_a_client_that_disconnects_mid_stream_gets_its_kv_blocks_freed(server, h
     ({"model": "specserve", "prompt": "x", "num_speculative_tokens": 99}, 400, "num_speculative_tokens"),
     ({"model": "specserve", "prompt": "x " * 600}, 400, "prompt"),
     ({"model": "specserve", "prompt": ""}, 400, "prompt"),
-    ({"model": "specserve", "prompt": "x", "n": 2}, 400, "n"),
+    ({"model": "specserve", "prompt": "x", "n": 0}, 400, "n"),
+    ({"model": "specserve", "prompt": "x", "n": 17}, 400, "n"),
     ({"model": "specserve", "prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ({"model": "specserve", "prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
     ({"model": "specserve", "prompt": "x", "frobnicate": None}, 400, "frobnicate"),  # null or not: unknown
@@ -280,6 +333,11 @@ def test_a_client_that_disconnects_mid_stream_gets_its_kv_blocks_freed(server, h
     ({"model": "specserve", "prompt": "x", "stop_token_ids": [10 ** 7]}, 400, "stop_token_ids"),
     ({"model": "specserve", "prompt": "x", "stop_token_ids": [-5]}, 400, "stop_token_ids.0"),
     ({"model": "specserve", "prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"model": "specserve", "prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ({"model": "specserve", "prompt": "x", "logit_bias": {"5": 500}}, 400, "logit_bias.5"),
+    ({"model": "specserve", "prompt": "x", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),  # outside the vocabulary
+    ({"model": "specserve", "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"model": "specserve", "prompt": "x", "max_tokens": 5, "min_tokens": 6}, 400, "min_tokens"),
     # the prompt fits and so does max_tokens alone, but not both: told, never cut short
     ({"model": "specserve", "prompt": "x " * 200, "max_tokens": 400}, 400, "max_tokens"),
 ])

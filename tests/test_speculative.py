@@ -176,3 +176,46 @@ def test_bundled_heads_really_predict_the_target(mode, bundle_engine, heldout_pr
             max_new_tokens=32, ignore_eos=True, speculative_mode=mode, num_speculative_tokens=3)).speculative)
     assert total.acceptance_per_position[0] > 0.6, total.acceptance_per_position
     assert total.mean_accepted_length > 2.0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_penalties_logit_bias_and_min_tokens_keep_speculation_lossless(mode, bundle_engine, heldout_prompts):
+    """OpenAI's presence/frequency penalties and logit_bias, and vLLM's min_tokens, change
+    what the target chooses at every position (the penalties count the drafts accepted
+    before it); every proposer must still give target-only's tokens, and sampled, the
+    reference loop's."""
+    prompt = heldout_prompts[17]
+    unbiased = bundle_engine.generate(prompt, GenerationOptions(max_new_tokens=40, speculative_mode="none"))
+    banned, stopper = unbiased.token_ids[1], unbiased.token_ids[3]
+    base = dict(max_new_tokens=40, presence_penalty=0.6, frequency_penalty=0.3, logit_bias={banned: -100.0},
+                min_tokens=12, stop_token_ids=[stopper])
+    plain = bundle_engine.generate(prompt, GenerationOptions(**base, speculative_mode="none"))
+    fast = bundle_engine.generate(prompt, GenerationOptions(**base, speculative_mode=mode))
+    assert (fast.token_ids, fast.text, fast.finish_reason) == (plain.token_ids, plain.text, plain.finish_reason)
+    assert fast.speculative.proposed_tokens > 0  # it drafted under these rules
+    assert banned not in plain.token_ids and plain.token_ids != unbiased.token_ids
+    assert stopper not in plain.token_ids[:11] and len(plain.token_ids) >= 12  # min_tokens held the stop token back
+    sampled = GenerationOptions(**base, temperature=0.8, seed=7, speculative_mode=mode, num_speculative_tokens=4)
+    result = bundle_engine.generate(prompt, sampled)
+    assert bundle_engine.drain()
+    state, _ = reference_decode(bundle_engine, mode, prompt, sampled, 4)
+    assert result.token_ids == state.generated and banned not in result.token_ids
+
+
+def test_min_tokens_defers_stop_strings_as_vllm_does(bundle_engine, heldout_prompts):
+    """Before min_tokens are generated no stop string is looked for; after, one that ends
+    in the new text counts."""
+    prompt = heldout_prompts[17]
+    free = bundle_engine.generate(prompt, GenerationOptions(max_new_tokens=40, speculative_mode="none"))
+    assert free.finish_reason == "length"  # no EOS in it: min_tokens' mask changes nothing below
+    stop = free.text[len(bundle_engine.tokenizer.decode(free.token_ids[:2])):][:2]  # text of the 3rd token on
+    assert stop.strip(), "the held-out prompt's output must have text early on"
+    early = bundle_engine.generate(prompt, GenerationOptions(max_new_tokens=40, stop=[stop], speculative_mode="none"))
+    held = bundle_engine.generate(prompt, GenerationOptions(max_new_tokens=40, stop=[stop], min_tokens=20,
+                                                            speculative_mode="eagle3"))
+    assert early.finish_reason == "stop" and len(early.token_ids) <= 4
+    assert len(held.token_ids) >= 20 and held.token_ids[:20] == free.token_ids[:20]
+    # The first match that may count begins at most len(stop) - 1 characters before the 20th token's text.
+    start = max(0, len(bundle_engine.tokenizer.decode(free.token_ids[:19])) - (len(stop) - 1))
+    at = free.text.find(stop, start)
+    assert (held.text, held.finish_reason) == ((free.text[:at], "stop") if at >= 0 else (free.text, "length"))

@@ -194,16 +194,16 @@ def test_target_only_sampling_matches_too(bigram_engine, bigram_bundle):
     assert chi_square_p_value(draw(bigram_engine, "none", 4000, first_seed=1), exact_distribution(table)) > 0.01
 
 
-def broken_verify(logits, drafts, draft_probs, context, options, rng):
+def broken_verify(logits, drafts, draft_probs, context, options, rng, rules):
     """Wrong on purpose: on rejection, resample from p instead of norm(max(0, p - q))."""
     prefix = list(context)
     for i, d in enumerate(drafts):
-        p = token_distribution(logits[i], prefix, options)
+        p = token_distribution(logits[i], prefix, options, rules)
         q = draft_probs[i]
         if rng.random() * q[d] >= p[d]:
             return Verdict(i, sample(p, rng))
         prefix.append(d)
-    return Verdict(len(drafts), sample(token_distribution(logits[-1], prefix, options), rng))
+    return Verdict(len(drafts), sample(token_distribution(logits[-1], prefix, options, rules), rng))
 
 
 def test_a_broken_acceptance_rule_fails_the_same_test(bigram_engine, bigram_bundle, monkeypatch):

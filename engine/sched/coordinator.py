@@ -173,10 +173,16 @@ class RoundCoordinator:
         try:
             await asyncio.shield(run.done)
         except asyncio.CancelledError:
-            run.cancelled = True
-            for lane in self._lanes:
-                lane.wake.set()
+            self.retire(run)
             raise
+
+    def retire(self, run: "_Run") -> None:
+        """Give up an admitted request (its caller went away, or, for one of several
+        choices, a sibling could not be admitted): it leaves at the next tick and its KV
+        is freed. A no-op for one that has finished."""
+        run.cancelled = True
+        for lane in self._lanes:
+            lane.wake.set()
 
     async def drain(self, timeout_s: float = 30.0) -> bool:
         """Wait until every lane has sent its pending releases (tests, graceful shutdown);

@@ -26,6 +26,7 @@ from engine.spec.proposers.base import AcceptContext, Proposal, Proposer, Propos
 from engine.sched.costs import CALIBRATION_PAST, DraftCostTable, measure_draft_costs
 from engine.spec.proposers.registry import PROPOSER_KINDS, LoadedProposer
 from engine.spec.rounds import Anchor, proposer_context
+from engine.spec.sampling import SequenceRules
 
 log = logging.getLogger("specserve.proposer")
 
@@ -39,6 +40,7 @@ class ProposeItem:
     options: GenerationOptions | None  # sent with the whole context only (since == 0)
     accepted: int = -1          # drafts the target accepted last round (-1: no round yet)
     anchor: Any = None          # an ``Anchor``, or an object-store reference the transport resolves
+    rules: SequenceRules | None = None  # the sequence's logit rules, sent with the options
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class _Mirror:
     options: GenerationOptions
     rng: np.random.Generator
     seen: float
+    rules: SequenceRules | None = None
 
 
 class ProposerWorker:
@@ -101,7 +104,7 @@ class ProposerWorker:
                     results[item.seq_id] = ProposeResult(item.seq_id, [], resync=True)
                     continue
                 context = proposer_context(item.width, mirror.tokens, mirror.options, item.anchor or Anchor(),
-                                           mirror.rng)
+                                           mirror.rng, mirror.rules)
                 if mirror.proposer.batchable:
                     batch.append((item, context, mirror))
                 else:
@@ -148,7 +151,7 @@ class ProposerWorker:
                 self._seqs[item.seq_id] = mirror
             else:
                 mirror.proposer.rewind(list(item.new_tokens))
-            mirror.tokens, mirror.options = list(item.new_tokens), item.options
+            mirror.tokens, mirror.options, mirror.rules = list(item.new_tokens), item.options, item.rules
         elif mirror is None or len(mirror.tokens) != item.since:
             self.release([item.seq_id])
             return None

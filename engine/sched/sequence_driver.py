@@ -74,7 +74,7 @@ class SequenceDriver:
     def prefill_item(self, reserved_blocks: list[int] | None) -> PrefillItem:
         """The prompt, or, after the sequence lost its target, every committed token."""
         return PrefillItem(self.seq_id, list(self.state.tokens), self.state.options, self.needs, reserved_blocks,
-                           resume=self.resuming)
+                           resume=self.resuming, rules=self.state.rules)
 
     def width(self) -> int:
         """Most tokens this round may commit: the round's drafts + 1, within the budget."""
@@ -94,7 +94,7 @@ class SequenceDriver:
         since = self._proposer_has
         self._proposer_has = len(tokens)
         return ProposeItem(self.seq_id, width, since, tokens[since:], None if since else self.state.options,
-                           self._last_accepted if since else -1, self.anchor)
+                           self._last_accepted if since else -1, self.anchor, None if since else self.state.rules)
 
     def propose_locally(self) -> None:
         """Draft with the in-coordinator (model-free) proposer, if this request has one."""
@@ -103,7 +103,8 @@ class SequenceDriver:
         if self.local_proposer is None or width <= 1:
             return
         state = self.state
-        proposal = self.local_proposer.propose(proposer_context(width, state.tokens, state.options, Anchor(), None))
+        proposal = self.local_proposer.propose(
+            proposer_context(width, state.tokens, state.options, Anchor(), None, state.rules))
         self._drafts = [int(t) for t in proposal.tokens[: width - 1]]
 
     @property
@@ -239,9 +240,13 @@ class DriverFactory:
                                       f"(available: {', '.join(self.modes)})")
         return mode, options.num_speculative_tokens or self.speculative.num_speculative_tokens
 
-    def check_stop_token_ids(self, options: GenerationOptions) -> None:
-        if any(i >= self.vocab_size for i in options.stop_token_ids):
-            raise InvalidRequestError(f"stop_token_ids must be token ids below the vocabulary size {self.vocab_size}")
+    def check_token_ids(self, options: GenerationOptions) -> None:
+        """The options' token ids (``stop_token_ids``, ``logit_bias``' keys) are in the vocabulary."""
+        for param, ids in (("stop_token_ids", options.stop_token_ids),
+                           ("logit_bias", [token for token, _ in options.logit_bias])):
+            if any(i >= self.vocab_size for i in ids):
+                raise InvalidRequestError(f"{param} must be token ids below the vocabulary size {self.vocab_size}",
+                                          param=param)
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, self.vocab_size, self.max_context)
@@ -260,7 +265,7 @@ class DriverFactory:
     def create(self, seq_id: Hashable, prompt_ids: list[int], options: GenerationOptions,
                on_token: TokenCallback | None = None) -> SequenceDriver:
         mode, k = self.resolve_mode(options)
-        self.check_stop_token_ids(options)
+        self.check_token_ids(options)
         state = SequenceState(prompt_ids, options, self.tokenizer, self.eos_token_ids, self.max_context, on_token)
         kind = PROPOSER_KINDS.get(mode)
         local = kind.local_proposer(self.speculative, k) if kind is not None and kind.in_coordinator else None

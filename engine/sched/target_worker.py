@@ -28,6 +28,7 @@ from engine.options import GenerationOptions
 from engine.spec.proposers.base import Needs
 from engine.spec.proposers.shared_kv import shared_kv_slices
 from engine.spec.rounds import Anchor, RoundOutcome, verify_on_target
+from engine.spec.sampling import SequenceRules
 
 log = logging.getLogger("specserve.target")
 
@@ -45,6 +46,7 @@ class PrefillItem:
     needs: Needs = field(default_factory=Needs)
     reserved_blocks: list[int] | None = None
     resume: bool = False
+    rules: SequenceRules | None = None  # None: ``tokens`` is the prompt (rules from the options and the EOS)
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class _TargetSequence:
     options: GenerationOptions
     needs: Needs
     rng: np.random.Generator
+    rules: SequenceRules
 
 
 class TargetWorker:
@@ -123,13 +126,14 @@ class TargetWorker:
             cache.add_sequence(item.seq_id, item.reserved_blocks)
             feed = item.tokens[:-1] if item.resume else item.tokens
             out = self.target.feed_batch([FeedRequest(item.seq_id, feed, 0)])[0]
+            rules = item.rules or SequenceRules.of(len(item.tokens), item.options, self.target.eos_token_ids)
             seq = _TargetSequence(list(item.tokens), item.options, item.needs,
-                                  np.random.default_rng(item.options.seed))
+                                  np.random.default_rng(item.options.seed), rules)
             if item.resume:
                 outcome = RoundOutcome(0, [], None, Anchor.from_output(out, -1, item.needs))
             else:
                 outcome = verify_on_target(self.target, item.seq_id, out, [], None, seq.tokens, item.options,
-                                           seq.rng, item.needs)
+                                           seq.rng, item.needs, rules)
                 seq.tokens.extend(outcome.tokens)
             self._seqs[item.seq_id] = seq
             return self._result(item.seq_id, seq, outcome)
@@ -167,7 +171,7 @@ class TargetWorker:
             try:
                 out = outputs[n] if outputs is not None else self.target.feed_batch([requests[n]])[0]
                 outcome = verify_on_target(self.target, item.seq_id, out, list(item.drafts), item.probs,
-                                           seq.tokens, seq.options, seq.rng, seq.needs)
+                                           seq.tokens, seq.options, seq.rng, seq.needs, seq.rules)
             except Exception as exc:  # noqa: BLE001 - reported to the one request it belongs to
                 self.release([item.seq_id])
                 done[item.seq_id] = exc

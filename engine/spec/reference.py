@@ -48,7 +48,8 @@ def speculative_decode(target: CachedDecoder, prompt_ids: list[int], options: Ge
     target.cache.add_sequence(seq)
     try:
         out = target.feed(seq, state.tokens, 0)                       # prefill
-        outcome = verify_on_target(target, seq, out, [], None, state.tokens, options, verifier_rng, needs)
+        outcome = verify_on_target(target, seq, out, [], None, state.tokens, options, verifier_rng, needs,
+                                   state.rules)
         commit_outcome(state, outcome)                                # the first token
         while not state.finished:
             width = draft_width(state, num_drafts)
@@ -58,13 +59,14 @@ def speculative_decode(target: CachedDecoder, prompt_ids: list[int], options: Ge
                 if needs.shared_kv_layers:
                     anchor = Anchor(anchor.final, anchor.layers, shared_kv_slices(target.cache, seq,
                                                                                   needs.shared_kv_layers))
-                proposal = proposer.propose(proposer_context(width, state.tokens, options, anchor, drafter_rng))
+                proposal = proposer.propose(
+                    proposer_context(width, state.tokens, options, anchor, drafter_rng, state.rules))
                 drafts = [int(t) for t in proposal.tokens[: width - 1]]
                 probs = None if proposal.probs is None else proposal.probs[: len(drafts)]
             pending = len(state.tokens) - 1                           # 2. one target pass
             out = target.feed(seq, [state.tokens[-1], *drafts], pending)
             outcome = verify_on_target(target, seq, out, drafts, probs,  # 3. accept (+ rewind rejected KV)
-                                       state.tokens, options, verifier_rng, needs)
+                                       state.tokens, options, verifier_rng, needs, state.rules)
             committed = commit_outcome(state, outcome)                # 4. commit
             record_round(stats, len(drafts), outcome.accepted, committed)
             if proposer is not None:

@@ -25,7 +25,7 @@ from engine.errors import EngineError
 from engine.model.cached_decoder import CachedDecoder, SequenceOutput
 from engine.options import GenerationOptions
 from engine.spec.proposers.base import Needs, ProposerContext, SharedKvSlice
-from engine.spec.sampling import TokenLogprob, token_logprob
+from engine.spec.sampling import SequenceRules, TokenLogprob, token_logprob
 from engine.spec.sequence import SequenceState
 from engine.spec.stats import SpeculativeStats
 from engine.spec.verify import verify
@@ -58,10 +58,10 @@ def draft_width(state: SequenceState, num_drafts: int) -> int:
 
 
 def proposer_context(width: int, tokens: list[int], options: GenerationOptions, anchor: Anchor,
-                     rng: np.random.Generator | None) -> ProposerContext:
+                     rng: np.random.Generator | None, rules: SequenceRules | None = None) -> ProposerContext:
     """What a proposer sees, built the same way by every caller."""
     return ProposerContext(width=width, context_tokens=tokens, options=options, target_hidden=anchor.final,
-                           target_hidden_layers=anchor.layers, shared_kv=anchor.shared_kv, rng=rng)
+                           target_hidden_layers=anchor.layers, shared_kv=anchor.shared_kv, rng=rng, rules=rules)
 
 
 def commit_outcome(state: SequenceState, outcome: "RoundOutcome") -> int:
@@ -94,11 +94,11 @@ class RoundOutcome:
 
 def verify_on_target(target: CachedDecoder, seq_id: Hashable, out: SequenceOutput, drafts: list[int],
                      probs: np.ndarray | None, context: list[int], options: GenerationOptions,
-                     rng: np.random.Generator, needs: Needs) -> RoundOutcome:
+                     rng: np.random.Generator, needs: Needs, rules: SequenceRules) -> RoundOutcome:
     """The half of a round that needs the target's logits: accept or reject the drafts
     against the last ``len(drafts) + 1`` rows of ``out`` and rewind the rejected KV."""
     rows = out.logits[-(len(drafts) + 1):]  # a prefill's last row, or a round's k + 1 rows
-    verdict = verify(rows, drafts, probs, context, options, rng)
+    verdict = verify(rows, drafts, probs, context, options, rng, rules)
     rejected = len(drafts) - verdict.accepted
     if rejected:
         target.cache.rewind(seq_id, target.cache.length(seq_id) - rejected)

@@ -26,17 +26,57 @@ def apply_repetition_penalty(logits: np.ndarray, context: Sequence[int], penalty
     return out
 
 
-def processed_logits(logits: np.ndarray, context: Sequence[int], options: GenerationOptions) -> np.ndarray:
-    return apply_repetition_penalty(logits, context, options.repetition_penalty)
+@dataclass(frozen=True)
+class SequenceRules:
+    """What logit processing needs to know about a sequence beyond its options: where its
+    prompt ends (presence and frequency penalties and ``min_tokens`` count generated
+    tokens only, as vLLM does) and which tokens would end it (EOS unless ignored, and
+    ``stop_token_ids``: masked out until ``min_tokens`` are generated)."""
+
+    prompt_length: int
+    end_tokens: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, prompt_length: int, options: GenerationOptions, eos_token_ids: Sequence[int]) -> "SequenceRules":
+        eos = () if options.ignore_eos else eos_token_ids
+        return cls(prompt_length, frozenset(eos) | frozenset(options.stop_token_ids))
 
 
-def token_distribution(logits: np.ndarray, context: Sequence[int], options: GenerationOptions) -> np.ndarray:
+def processed_logits(logits: np.ndarray, context: Sequence[int], options: GenerationOptions,
+                     rules: SequenceRules | None = None) -> np.ndarray:
+    """The logits a token is chosen from after ``context``, in vLLM's order: the bias and
+    ``min_tokens``' mask first, then the repetition penalty (over the whole context), then
+    the presence and frequency penalties (over the generated tokens). ``rules`` None: the
+    whole context is prompt (a drafter that does not know the sequence: its drafts only
+    need to be good guesses). Float32, a new array only where something applies."""
+    out = logits
+    vocab = logits.shape[-1]
+    if options.logit_bias:
+        ids = np.fromiter((t for t, _ in options.logit_bias), np.int64, len(options.logit_bias))
+        bias = np.fromiter((b for _, b in options.logit_bias), np.float32, len(options.logit_bias))
+        out = out.astype(np.float32, copy=True)
+        out[ids[ids < vocab]] += bias[ids < vocab]
+    generated = len(context) - rules.prompt_length if rules is not None else 0
+    if options.min_tokens and generated < options.min_tokens and rules is not None and rules.end_tokens:
+        out = out.astype(np.float32, copy=out is logits)
+        out[[t for t in rules.end_tokens if t < vocab]] = -np.inf
+    out = apply_repetition_penalty(out, context, options.repetition_penalty)
+    if (options.presence_penalty or options.frequency_penalty) and generated > 0:
+        tokens = np.asarray(context[len(context) - generated:], dtype=np.int64)
+        counts = np.bincount(tokens[tokens < vocab], minlength=vocab).astype(np.float32)
+        out = out - (np.float32(options.frequency_penalty) * counts
+                     + np.float32(options.presence_penalty) * (counts > 0).astype(np.float32))
+    return out
+
+
+def token_distribution(logits: np.ndarray, context: Sequence[int], options: GenerationOptions,
+                       rules: SequenceRules | None = None) -> np.ndarray:
     """Sampling distribution (float64, sums to 1) after penalty, temperature, top-k, top-p.
 
     Greedy requests get the one-hot distribution of their argmax, which makes greedy a
     special case of the same rule.
     """
-    scores = processed_logits(logits, context, options).astype(np.float64)
+    scores = processed_logits(logits, context, options, rules).astype(np.float64)
     if options.greedy:
         probs = np.zeros_like(scores)
         probs[int(np.argmax(scores))] = 1.0

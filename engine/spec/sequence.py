@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
 from engine.options import GenerationOptions
-from engine.spec.sampling import TokenLogprob
+from engine.spec.sampling import SequenceRules, TokenLogprob
 from engine.model.tokenizer import TextTokenizer
 
 FinishReason = Literal["stop", "length"]
@@ -42,6 +42,7 @@ class SequenceState:
         self.max_context = max_context
         self.eos_token_ids = frozenset(() if options.ignore_eos else eos_token_ids)
         self.stop_token_ids = frozenset(options.stop_token_ids)  # end as EOS does, ignore_eos or not
+        self.rules = SequenceRules.of(self.prompt_len, options, eos_token_ids)  # for every logit processing
         self.logprobs: list[TokenLogprob] = []
         self.finish_reason: FinishReason | None = None
         self._decoder = tokenizer.stream()
@@ -49,6 +50,7 @@ class SequenceState:
         self._text = ""       # all decoded text so far (may run past a stop string)
         self._emitted = 0     # characters of _text already handed to the callback
         self._holdback = max((len(s) for s in options.stop), default=1) - 1
+        self._search_from = 0  # where stop strings may start: min_tokens moves it on, as vLLM's check does
 
     @property
     def generated(self) -> list[int]:
@@ -70,6 +72,10 @@ class SequenceState:
         self.tokens.append(token_id)
         if logprob is not None:
             self.logprobs.append(logprob)
+        if len(self.tokens) - self.prompt_len == self.options.min_tokens:
+            # The first token stop strings are looked for after; a match may begin in the
+            # text just before it (vLLM checks the new text plus a stop string's length).
+            self._search_from = max(0, len(self._text) - self._holdback)
         if token_id in self.eos_token_ids or token_id in self.stop_token_ids:
             self.finish_reason = "stop"  # the token is kept, its text is not (vLLM's default)
             self._text += self._decoder.flush()
@@ -92,8 +98,11 @@ class SequenceState:
         return False
 
     def _find_stop(self) -> int | None:
-        """Earliest stop-string match in text not yet emitted (matches may straddle tokens)."""
-        start = max(0, self._emitted - self._holdback)
+        """Earliest stop-string match in text not yet emitted (matches may straddle tokens);
+        none before ``min_tokens`` tokens are generated."""
+        if len(self.tokens) - self.prompt_len < self.options.min_tokens:
+            return None
+        start = max(self._search_from, self._emitted - self._holdback)
         hits = [i for i in (self._text.find(s, start) for s in self.options.stop) if i >= 0]
         return min(hits) if hits else None
 

@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from engine.options import GenerationOptions
-from engine.spec.sampling import processed_logits, sample, token_distribution
+from engine.spec.sampling import SequenceRules, processed_logits, sample, token_distribution
 
 
 @dataclass(frozen=True)
@@ -27,26 +27,26 @@ class Verdict:
 
 
 def verify(logits: np.ndarray, drafts: Sequence[int], draft_probs: np.ndarray | None, context: Sequence[int],
-           options: GenerationOptions, rng: np.random.Generator) -> Verdict:
+           options: GenerationOptions, rng: np.random.Generator, rules: SequenceRules) -> Verdict:
     """``logits[i]`` is the target's output after ``context + drafts[:i]`` (len(drafts)+1 rows)."""
     if len(logits) != len(drafts) + 1:
         raise ValueError(f"need {len(drafts) + 1} logit rows for {len(drafts)} drafts, got {len(logits)}")
     prefix = list(context) if drafts else context  # extended per accepted draft below
     for i, draft in enumerate(drafts):
         if options.greedy:
-            choice = int(np.argmax(processed_logits(logits[i], prefix, options)))
+            choice = int(np.argmax(processed_logits(logits[i], prefix, options, rules)))
             if choice != draft:
                 return Verdict(i, choice)
         else:
-            p = token_distribution(logits[i], prefix, options)
+            p = token_distribution(logits[i], prefix, options, rules)
             q = _one_hot(draft, p.shape[-1]) if draft_probs is None else draft_probs[i].astype(np.float64)
             if rng.random() * q[draft] >= p[draft]:  # reject with probability 1 - min(1, p/q)
                 residual = np.maximum(p - q, 0.0)
                 return Verdict(i, sample(residual if residual.sum() > 0 else p, rng))
         prefix.append(draft)
     if options.greedy:
-        return Verdict(len(drafts), int(np.argmax(processed_logits(logits[-1], prefix, options))))
-    return Verdict(len(drafts), sample(token_distribution(logits[-1], prefix, options), rng))
+        return Verdict(len(drafts), int(np.argmax(processed_logits(logits[-1], prefix, options, rules))))
+    return Verdict(len(drafts), sample(token_distribution(logits[-1], prefix, options, rules), rng))
 
 
 def _one_hot(token: int, size: int) -> np.ndarray:

@@ -20,6 +20,7 @@ from typing import Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from engine.options import GenerationOptions
+from engine.spec.sampling import SequenceRules
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class ProposerContext:
     target_hidden_layers: tuple[np.ndarray, ...] | None = None  # low, mid, high [H] each
     shared_kv: tuple[SharedKvSlice, ...] | None = None
     rng: np.random.Generator | None = None       # the request's generator, for sampling drafters
+    rules: SequenceRules | None = None           # the sequence's logit rules (None: process as all prompt)
 
     @property
     def guaranteed_token(self) -> int:

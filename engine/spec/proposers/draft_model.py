@@ -60,9 +60,9 @@ class DraftModelProposer:
                 logits = self.draft.feed(self.seq_id, tokens[-1:], len(self.kv_tokens)).logits[-1]
                 self.kv_tokens.append(tokens[-1])
             if options.greedy:
-                token = int(np.argmax(processed_logits(logits, prefix, options)))
+                token = int(np.argmax(processed_logits(logits, prefix, options, context.rules)))
             else:  # sample from the draft's own distribution and report it as q
-                q = token_distribution(logits, prefix, options)
+                q = token_distribution(logits, prefix, options, context.rules)
                 token = sample(q, context.rng)
                 probs.append(q)
             tokens.append(token)
