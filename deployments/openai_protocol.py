@@ -204,3 +204,28 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs: true")
         return self
+
+
+class TokenizeRequest(_OpenAIModel):
+    """vLLM's ``POST /tokenize``: a prompt, or chat messages as the chat template renders
+    them -- the very ids a completion or chat request with them would be given."""
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    # vLLM's default adds the tokenizer's special tokens; specserve's requests never do,
+    # so saying true would describe ids no request gets: only false is accepted.
+    add_special_tokens: Literal[False] = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(_OpenAIModel):
+    """vLLM's ``POST /detokenize``: token ids back to text."""
+
+    model: str
+    tokens: list[Annotated[StrictInt, Field(ge=0)]]

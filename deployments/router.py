@@ -40,7 +40,7 @@ from engine.spec.proposers.registry import PROPOSER_KINDS
 from engine.spec.sequence import TokenEvent
 
 from .metrics import ServeRoundMetrics
-from .openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from .openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .openai_responses import SSE_DONE, ChoiceEvent, ResponseShaper
 from .settings import ServeSettings
 from .transport import ServeTransport
@@ -237,6 +237,27 @@ class Router:
                                       "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
         options = self._options(body, max_tokens, body.logprobs, body.top_logprobs or 0)
         return await self._serve(body, options, prompt_ids, chat=True)
+
+    @app.post("/tokenize")
+    async def tokenize(self, body: TokenizeRequest) -> dict:
+        """vLLM's: the ids a request with this prompt (or these messages) is given, its
+        count and the context limit, so a client can size ``max_tokens`` beside it."""
+        await self._ensure_ready()
+        self._check_model(body.model)
+        text = body.prompt if body.messages is None else self.chat_template.render(
+            [m.model_dump(exclude_none=True) for m in body.messages])
+        tokens = self.tokenizer.encode(text)
+        return {"count": len(tokens), "max_model_len": self.max_context, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        """vLLM's: the text of token ids (special tokens left out, as in a response)."""
+        await self._ensure_ready()
+        self._check_model(body.model)
+        vocab = self.factory.vocab_size
+        if any(t >= vocab for t in body.tokens):
+            raise ApiError(400, f"tokens must be token ids below the vocabulary size {vocab}", param="tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
 
     # -- internals -----------------------------------------------------------------------
     def _check_model(self, model: str) -> None:

@@ -192,6 +192,36 @@ def test_n_choices_are_seeded_siblings_and_stream_interleaved_by_index(client, b
     assert _kv_all_free()["sequences"] == 0
 
 
+def test_tokenize_gives_the_ids_a_request_gets_and_detokenize_reverses_it(server, client, heldout_prompts):
+    """vLLM's /tokenize and /detokenize: a prompt's ids are the ones a completion counts,
+    chat messages' the ones a chat request counts (the template applied)."""
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{server}{path}", json={"model": "specserve", **body}, headers=AUTH, timeout=30)
+
+    prompt = heldout_prompts[3]
+    tokens = post("/tokenize", {"prompt": prompt}).json()
+    completion = client.completions.create(model="specserve", prompt=prompt, max_tokens=1, temperature=0)
+    assert tokens["count"] == len(tokens["tokens"]) == completion.usage.prompt_tokens
+    assert tokens["max_model_len"] == client.models.list().data[0].model_extra["max_model_len"]
+    assert post("/detokenize", {"tokens": tokens["tokens"]}).json() == {"prompt": prompt}
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def f(x):"}]
+    chat = post("/tokenize", {"messages": messages}).json()
+    reply = client.chat.completions.create(model="specserve", messages=messages, max_tokens=1, temperature=0)
+    assert chat["count"] == reply.usage.prompt_tokens and chat["count"] > tokens_of(post, "def f(x):")
+    for path, body, param in (("/tokenize", {"prompt": "x", "messages": messages}, None),
+                              ("/tokenize", {"prompt": "x", "add_special_tokens": True}, "add_special_tokens"),
+                              ("/detokenize", {"tokens": [10 ** 7]}, "tokens"),
+                              ("/detokenize", {"tokens": ["a"]}, "tokens.0")):
+        response = post(path, body)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    assert httpx.post(f"{server}/tokenize", json={"model": "nope", "prompt": "x"}, headers=AUTH,
+                      timeout=30).status_code == 404
+
+
+def tokens_of(post, prompt: str) -> int:
+    return post("/tokenize", {"prompt": prompt}).json()["count"]
+
+
 def test_chat_completion_and_its_stream_agree(client):
     messages = [{"role": "user", "content": "Write a function that reverses a list."}]
     full = client.chat.completions.create(model="specserve", messages=messages, max_tokens=20, temperature=0)
@@ -398,7 +428,8 @@ def test_the_auth_scheme_is_case_insensitive(server):
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
                                      {"Authorization": f"Basic {API_KEY}"}])
 def test_without_the_api_key_every_endpoint_but_health_is_401(server, headers):
-    for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/specserve/status")):
+    for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/specserve/status"),
+                         ("POST", "/tokenize")):
         response = httpx.request(method, f"{server}{path}", headers=headers, timeout=30,
                                  json={"model": "specserve", "prompt": "x"} if method == "POST" else None)
         assert response.status_code == 401, path
