@@ -2,7 +2,7 @@
 
 Requests are strict: a field this server does not know is a 400 naming the field,
 rather than a silently ignored setting. Fields OpenAI defines but specserve does not
-implement are accepted only at their neutral value (``echo=false``, ``best_of`` 1,
+implement are accepted only at their neutral value (``best_of`` 1, ``suffix`` null,
 ``tools`` null, ...), so a client that sends defaults works and one that relies on them is told.
 ``null`` for an optional field is its default (``_OpenAIModel``).
 Extensions (vLLM-style extra body fields): ``speculative_mode``,
@@ -149,20 +149,30 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]] = Field(examples=["def read_config(path):"])
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: Literal[False] = False
+    echo: bool = False  # the prompt before each choice's text (and, with logprobs, its tokens' logprobs first)
     best_of: Literal[1] | None = None
     suffix: None = None
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value):
-        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-            if len(value) != 1:
-                raise ValueError("batched prompts are not supported: send one prompt per request")
-            value = value[0]
-        if isinstance(value, (str, list)) and len(value) == 0:
+    def _prompts_not_empty(cls, value):
+        batch = value if isinstance(value, list) and value and isinstance(value[0], (str, list)) else [value]
+        if any(len(prompt) == 0 for prompt in batch):
             raise ValueError("prompt must not be empty")
         return value
+
+    @model_validator(mode="after")
+    def _choices_in_bounds(self):
+        if len(self.prompts) * self.n > MAX_CHOICES:
+            raise ValueError(f"prompts x n is {len(self.prompts)} x {self.n}; at most {MAX_CHOICES} choices a request")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or a batch (OpenAI's list of strings or of token-id lists)."""
+        prompt = self.prompt
+        return list(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) \
+            else [prompt]
 
 
 class ChatMessage(_OpenAIModel):

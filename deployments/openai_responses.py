@@ -56,6 +56,15 @@ class ChoiceEvent:
         return self.event.finish_reason
 
 
+@dataclass(frozen=True)
+class Echo:
+    """A completions prompt echoed before its choices' text (``echo``): its text, and its
+    first token's, which has no logprob (nothing comes before it)."""
+
+    text: str
+    first_token: str
+
+
 def merged_stats(drivers: Sequence[SequenceDriver]) -> SpeculativeStats:
     """The request's speculative statistics over all its choices."""
     total = copy.deepcopy(drivers[0].stats)
@@ -69,16 +78,19 @@ def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_logprobs(items: Sequence[TokenLogprob], offset: int = 0) -> dict:
-    """The legacy completions format: parallel lists."""
+def completion_logprobs(items: Sequence[TokenLogprob], offset: int = 0, first: str | None = None) -> dict:
+    """The legacy completions format: parallel lists; ``first``, an echoed prompt's first
+    token, leads them with null logprobs (OpenAI's and vLLM's shape)."""
+    tokens = ([first] if first is not None else []) + [i.token for i in items]
     offsets, position = [], offset
-    for item in items:
+    for token in tokens:
         offsets.append(position)
-        position += len(item.token)
+        position += len(token)
+    lead = [None] if first is not None else []
     # As OpenAI's (and vLLM's): each position's top_logprobs holds the chosen token too,
     # so up to logprobs + 1 entries, and {chosen: logprob} with logprobs=0.
-    return {"tokens": [i.token for i in items], "token_logprobs": [i.logprob for i in items],
-            "top_logprobs": [{**{t.token: t.logprob for t in i.top}, i.token: i.logprob} for i in items],
+    return {"tokens": tokens, "token_logprobs": lead + [i.logprob for i in items],
+            "top_logprobs": lead + [{**{t.token: t.logprob for t in i.top}, i.token: i.logprob} for i in items],
             "text_offset": offsets}
 
 
@@ -97,9 +109,12 @@ class ResponseShaper:
     ``tokens`` per round, then ``closing`` or ``error``, then ``SSE_DONE``)."""
 
     def __init__(self, model_name: str, chat: bool, token_ids: bool = False, include_usage: bool = False,
-                 token_bytes: Callable[[int], bytes] | None = None) -> None:
+                 token_bytes: Callable[[int], bytes] | None = None, choices_per_prompt: int = 1,
+                 echoes: Sequence[Echo] | None = None) -> None:
         self.model_name, self.chat, self.token_ids, self.include_usage = model_name, chat, token_ids, include_usage
         self.token_bytes = token_bytes
+        self.per_prompt = choices_per_prompt  # n: choice i answers prompt i // n
+        self.echoes = echoes
         self.id, self.created = new_id("chatcmpl" if chat else "cmpl"), now()
         self._offsets: dict[int, int] = {}  # per choice, token text streamed so far (text_offset)
 
@@ -114,8 +129,13 @@ class ResponseShaper:
                           "finish_reason": state.finish_reason,
                           "logprobs": chat_logprobs(logprobs, self.token_bytes) if logprobs is not None else None}
             else:
-                choice = {"index": index, "text": state.text, "finish_reason": state.finish_reason,
-                          "logprobs": completion_logprobs(logprobs) if logprobs is not None else None}
+                echo = self.echoes[index // self.per_prompt] if self.echoes else None
+                if echo is not None and logprobs is not None:
+                    logprobs = [*(state.prompt_logprobs or ()), *logprobs]
+                choice = {"index": index, "text": (echo.text if echo else "") + state.text,
+                          "finish_reason": state.finish_reason,
+                          "logprobs": completion_logprobs(logprobs, first=echo and echo.first_token)
+                          if logprobs is not None else None}
             if self.token_ids:
                 choice["token_ids"] = list(state.generated)
             choices.append(choice)
@@ -124,10 +144,10 @@ class ResponseShaper:
                 "usage": self._usage(drivers),
                 "speculative": speculative_body(merged_stats(drivers), drivers[0].num_drafts)}
 
-    @staticmethod
-    def _usage(drivers: Sequence[SequenceDriver]) -> dict:
-        """The prompt counted once, as OpenAI does for ``n`` choices."""
-        return usage_body(drivers[0].state.prompt_len, sum(len(d.state.generated) for d in drivers))
+    def _usage(self, drivers: Sequence[SequenceDriver]) -> dict:
+        """Each prompt counted once, as OpenAI does for ``n`` choices."""
+        return usage_body(sum(d.state.prompt_len for d in drivers[:: self.per_prompt]),
+                          sum(len(d.state.generated) for d in drivers))
 
     # -- stream --------------------------------------------------------------------------
     def _chunk(self, choices: list, **extra) -> str:
@@ -152,6 +172,8 @@ class ResponseShaper:
         parts = []
         for item in events:
             index, event, driver = item.index, item.event, drivers[item.index]
+            if self.echoes and index not in self._offsets:  # the choice's first write: its prompt first
+                parts.append(self._echo(index, driver))
             extra = {"speculative": speculative_body(driver.stats, driver.num_drafts)} if event.finish_reason else {}
             logprobs = None
             if event.logprob is not None:
@@ -170,6 +192,16 @@ class ResponseShaper:
                 parts.append(self._chunk([{"index": index, "text": event.text, "logprobs": logprobs,
                                            "finish_reason": event.finish_reason, **ids}], **extra))
         return "".join(parts)
+
+    def _echo(self, index: int, driver: SequenceDriver) -> str:
+        """A streamed choice's echoed prompt, as a chunk of its own before its first token's."""
+        echo, state = self.echoes[index // self.per_prompt], driver.state
+        logprobs = None
+        self._offsets[index] = 0
+        if state.options.logprobs:
+            logprobs = completion_logprobs(state.prompt_logprobs or [], first=echo.first_token)
+            self._offsets[index] = sum(len(token) for token in logprobs["tokens"])
+        return self._chunk([{"index": index, "text": echo.text, "logprobs": logprobs, "finish_reason": None}])
 
     def closing(self, drivers: Sequence[SequenceDriver]) -> str:
         """After the last token: the usage chunk (empty ``choices``) if the client asked for

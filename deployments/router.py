@@ -41,7 +41,7 @@ from engine.spec.sequence import TokenEvent
 
 from .metrics import ServeRoundMetrics
 from .openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from .openai_responses import SSE_DONE, ChoiceEvent, ResponseShaper
+from .openai_responses import SSE_DONE, ChoiceEvent, Echo, ResponseShaper
 from .settings import ServeSettings
 from .transport import ServeTransport
 
@@ -222,10 +222,16 @@ class Router:
     async def completions(self, body: CompletionRequest):
         await self._ensure_ready()
         self._check_model(body.model)
-        prompt_ids = self._encode(body.prompt)
-        max_tokens = self._max_tokens(body.max_tokens, len(prompt_ids))
+        prompts = [self._encode(prompt) for prompt in body.prompts]
+        max_tokens = self._max_tokens(body.max_tokens, max(len(ids) for ids in prompts))
         options = self._options(body, max_tokens, body.logprobs is not None, body.logprobs or 0)
-        return await self._serve(body, options, prompt_ids, chat=False)
+        echoes = None
+        if body.echo:  # each prompt as sent (ids: their text), and its first token, which has no logprob
+            echoes = [Echo(prompt if isinstance(prompt, str) else self.tokenizer.decode(ids),
+                           self.tokenizer.token_text(ids[0])) for prompt, ids in zip(body.prompts, prompts)]
+            if body.logprobs is not None:
+                options = options.model_copy(update={"prompt_logprobs": body.logprobs})
+        return await self._serve(body, options, prompts, chat=False, echoes=echoes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
@@ -236,7 +242,7 @@ class Router:
         max_tokens = self._max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt_ids),
                                       "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
         options = self._options(body, max_tokens, body.logprobs, body.top_logprobs or 0)
-        return await self._serve(body, options, prompt_ids, chat=True)
+        return await self._serve(body, options, [prompt_ids], chat=True)
 
     @app.post("/tokenize")
     async def tokenize(self, body: TokenizeRequest) -> dict:
@@ -307,13 +313,16 @@ class Router:
             raise ApiError(400, str(exc), param="prompt", code="context_length_exceeded"
                            if "context limit" in str(exc) else None) from exc
 
-    async def _serve(self, body, options: GenerationOptions, prompt_ids: list[int], chat: bool):
-        """Run the request's ``n`` choices, each a sequence of its own (admitted together:
+    async def _serve(self, body, options: GenerationOptions, prompts: list[list[int]], chat: bool,
+                     echoes: list[Echo] | None = None):
+        """Run the request's choices -- ``n`` per prompt, prompt i's choice j at index
+        i * n + j, as vLLM numbers them -- each a sequence of its own (admitted together:
         all or none), and answer with all of them, or stream them as they commit."""
         arrived = time.perf_counter()
         queue: asyncio.Queue[ChoiceEvent | None] = asyncio.Queue()
         drivers, stamps = [], []
-        for index, choice in enumerate(choice_options(options, body.n)):
+        jobs = [(prompt_ids, choice) for prompt_ids in prompts for choice in choice_options(options, body.n)]
+        for index, (prompt_ids, choice) in enumerate(jobs):
             times: list[float] = []
 
             def on_token(event: TokenEvent, index: int = index, times: list[float] = times) -> None:
@@ -341,7 +350,8 @@ class Router:
             tasks.append(task)
         run = asyncio.ensure_future(all_choices(tasks))
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        shaper = ResponseShaper(self.model_name, chat, body.return_token_ids, include_usage, self.tokenizer.token_bytes)
+        shaper = ResponseShaper(self.model_name, chat, body.return_token_ids, include_usage, self.tokenizer.token_bytes,
+                                choices_per_prompt=body.n, echoes=echoes)
         if not body.stream:
             try:
                 await run

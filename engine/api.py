@@ -49,6 +49,7 @@ class GenerationResult:
     prefill_seconds: float   # from submission to the first token (admission wait included)
     decode_seconds: float    # from the first token until ``generate`` returned
     speculative: SpeculativeStats = field(default_factory=SpeculativeStats)
+    prompt_logprobs: list[TokenLogprob] | None = None  # of prompt tokens 1.. (options.prompt_logprobs)
 
     @property
     def completion_tokens(self) -> int:
@@ -160,7 +161,7 @@ class Engine:
                                 prompt_tokens=state.prompt_len,
                                 logprobs=state.logprobs if state.options.logprobs else None,
                                 prefill_seconds=first - started, decode_seconds=returned - first,
-                                speculative=driver.stats)
+                                speculative=driver.stats, prompt_logprobs=state.prompt_logprobs)
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         with self._lock:

@@ -43,6 +43,9 @@ class GenerationOptions(BaseModel):
         "but its text is not in the text, as with EOS and vLLM's stop_token_ids"))
     logprobs: bool = Field(False, description="return the log-probability of each generated token")
     top_logprobs: int = Field(0, ge=0, le=20, description="also return this many most likely alternatives")
+    prompt_logprobs: int | None = Field(None, ge=0, le=20, description=(
+        "also return the log-probability of every prompt token after the first, with this many alternatives "
+        "(vLLM's prompt_logprobs; from the prefill's logits); None = off"))
     speculative_mode: SpeculativeMode | None = Field(None, description="override the engine's default mode")
     num_speculative_tokens: int | None = Field(None, ge=1, le=MAX_SPECULATIVE_TOKENS,
                                                description="most drafts per round; overrides the engine default")

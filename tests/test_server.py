@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -220,6 +221,48 @@ def test_tokenize_gives_the_ids_a_request_gets_and_detokenize_reverses_it(server
 
 def tokens_of(post, prompt: str) -> int:
     return post("/tokenize", {"prompt": prompt}).json()["count"]
+
+
+def test_echo_returns_the_prompt_and_its_token_logprobs_whole_or_streamed(client, bundle_engine, heldout_prompts):
+    """echo (lm-evaluation-harness scores with it): the prompt leads the text, and with
+    logprobs its tokens lead the lists, the first with null (nothing precedes it), the
+    others as the engine's prompt_logprobs give them; then the completion as without echo."""
+    prompt = heldout_prompts[9]
+    ids = bundle_engine.factory.encode(prompt)
+    plain = client.completions.create(model="specserve", prompt=prompt, max_tokens=6, temperature=0, logprobs=2)
+    echoed = client.completions.create(model="specserve", prompt=prompt, max_tokens=6, temperature=0, logprobs=2,
+                                       echo=True)
+    choice, lps = echoed.choices[0], echoed.choices[0].logprobs
+    assert choice.text == prompt + plain.choices[0].text and echoed.usage == plain.usage
+    engine = bundle_engine.generate(prompt, GenerationOptions(max_new_tokens=6, prompt_logprobs=2,
+                                                              speculative_mode="none"))
+    assert len(lps.tokens) == len(ids) + 6 and lps.token_logprobs[0] is None and lps.top_logprobs[0] is None
+    assert lps.tokens[len(ids):] == plain.choices[0].logprobs.tokens
+    np.testing.assert_allclose(lps.token_logprobs[1:len(ids)], [p.logprob for p in engine.prompt_logprobs],
+                               atol=1e-4)
+    assert lps.text_offset[len(ids)] == len("".join(lps.tokens[:len(ids)]))
+    text, tokens = "", []
+    for chunk in client.completions.create(model="specserve", prompt=prompt, max_tokens=6, temperature=0,
+                                           logprobs=2, echo=True, stream=True):
+        text += chunk.choices[0].text
+        tokens += chunk.choices[0].logprobs.tokens if chunk.choices[0].logprobs else []
+    assert text == choice.text and tokens == lps.tokens
+    bare = client.completions.create(model="specserve", prompt=ids, max_tokens=2, temperature=0, echo=True)
+    assert bare.choices[0].text.startswith(bundle_engine.tokenizer.decode(ids)) and bare.choices[0].logprobs is None
+
+
+def test_a_batch_of_prompts_gets_n_choices_each_in_vllms_order(client, bundle_engine, heldout_prompts):
+    prompts = [heldout_prompts[10], heldout_prompts[11]]
+    response = client.completions.create(model="specserve", prompt=prompts, max_tokens=8, temperature=0, n=2,
+                                         extra_body={"return_token_ids": True})
+    expected = [bundle_engine.generate(p, GenerationOptions(max_new_tokens=8, speculative_mode="none")).token_ids
+                for p in prompts]
+    assert [c.index for c in response.choices] == [0, 1, 2, 3]
+    assert [c.model_extra["token_ids"] for c in response.choices] == [expected[0]] * 2 + [expected[1]] * 2
+    assert response.usage.prompt_tokens == sum(len(bundle_engine.factory.encode(p)) for p in prompts)
+    too_many = httpx.post(f"{client.base_url}completions", headers=AUTH, timeout=30,
+                          json={"model": "specserve", "prompt": ["a", "b", "c"], "n": 6})
+    assert too_many.status_code == 400 and "at most 16 choices" in too_many.json()["error"]["message"]
 
 
 def test_chat_completion_and_its_stream_agree(client):

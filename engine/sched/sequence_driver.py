@@ -161,6 +161,7 @@ class SequenceDriver:
             self.resuming = False
             return []
         if not self.prefilled:
+            self.state.prompt_logprobs = outcome.prompt_logprobs  # before the first token's event
             commit_outcome(self.state, outcome)
             self.prefilled = True
             return []

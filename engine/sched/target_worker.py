@@ -27,7 +27,7 @@ from engine.errors import EngineError
 from engine.options import GenerationOptions
 from engine.spec.proposers.base import Needs
 from engine.spec.proposers.shared_kv import shared_kv_slices
-from engine.spec.rounds import Anchor, RoundOutcome, verify_on_target
+from engine.spec.rounds import Anchor, RoundOutcome, prompt_logprobs, verify_on_target
 from engine.spec.sampling import SequenceRules
 
 log = logging.getLogger("specserve.target")
@@ -134,6 +134,9 @@ class TargetWorker:
             else:
                 outcome = verify_on_target(self.target, item.seq_id, out, [], None, seq.tokens, item.options,
                                            seq.rng, item.needs, rules)
+                if item.options.prompt_logprobs is not None:
+                    outcome = dataclasses.replace(outcome, prompt_logprobs=prompt_logprobs(
+                        self.target, out, item.tokens, item.options.prompt_logprobs))
                 seq.tokens.extend(outcome.tokens)
             self._seqs[item.seq_id] = seq
             return self._result(item.seq_id, seq, outcome)

@@ -90,6 +90,14 @@ class RoundOutcome:
     tokens: list[int]                      # the accepted drafts, then the correction/bonus token
     logprobs: list[TokenLogprob] | None    # of those tokens, from the target's rows
     anchor: Anchor                         # target hidden states at the last accepted position
+    prompt_logprobs: list[TokenLogprob] | None = None  # a prefill's, of prompt tokens 1.. (``prompt_logprobs``)
+
+
+def prompt_logprobs(target: CachedDecoder, out: SequenceOutput, prompt: list[int], top_n: int) -> list[TokenLogprob]:
+    """Each prompt token's log-probability after the tokens before it (so from the second
+    on), from a prefill's rows: row i predicts token i + 1."""
+    return [token_logprob(out.logits[i], token, top_n, target.tokenizer.token_text)
+            for i, token in enumerate(prompt[1:])]
 
 
 def verify_on_target(target: CachedDecoder, seq_id: Hashable, out: SequenceOutput, drafts: list[int],

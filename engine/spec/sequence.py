@@ -44,6 +44,7 @@ class SequenceState:
         self.stop_token_ids = frozenset(options.stop_token_ids)  # end as EOS does, ignore_eos or not
         self.rules = SequenceRules.of(self.prompt_len, options, eos_token_ids)  # for every logit processing
         self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob] | None = None  # of prompt tokens 1.., if asked for
         self.finish_reason: FinishReason | None = None
         self._decoder = tokenizer.stream()
         self._on_token = on_token
