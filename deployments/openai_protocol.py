@@ -2,7 +2,7 @@
 
 Requests are strict: a field this server does not know is a 400 naming the field,
 rather than a silently ignored setting. Fields OpenAI defines but specserve does not
-implement are accepted only at their neutral value (``best_of`` 1, ``suffix`` null,
+implement are accepted only at their neutral value (``suffix`` null, ``best_of`` = ``n``,
 ``tools`` null, ...), so a client that sends defaults works and one that relies on them is told.
 ``null`` for an optional field is its default (``_OpenAIModel``).
 Extensions (vLLM-style extra body fields): ``speculative_mode``,
@@ -14,14 +14,17 @@ The response bodies and SSE chunks are built in ``openai_responses.py``.
 """
 from __future__ import annotations
 
+import re
 import types
 from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationInfo, field_validator,
+                      model_validator)
 
 from engine.options import MAX_LOGIT_BIAS, MAX_SPECULATIVE_TOKENS, GenerationOptions, SpeculativeMode
 
 MAX_CHOICES = 16  # n: each choice reserves its own KV
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")  # a logit_bias key (a token id, as a string)
 
 
 class ApiError(Exception):
@@ -83,7 +86,8 @@ class _SamplingFields(_OpenAIModel):
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    logit_bias: dict[str, Annotated[StrictFloat, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
     response_format: dict[str, Any] | None = None  # only plain text: {"type": "text"}
     # extensions
@@ -127,9 +131,13 @@ class _SamplingFields(_OpenAIModel):
     @field_validator("logit_bias")
     @classmethod
     def _bias_ids(cls, value):
-        """OpenAI's keys are token ids as strings ("50256"); anything else is an error."""
-        if value and not all(key.strip().isdigit() for key in value):
-            raise ValueError("logit_bias keys must be token ids (digits), e.g. {\"50256\": -100}")
+        """OpenAI's keys are token ids as strings ("50256"); anything else is an error, and
+        so are two keys for one id ("5" and "05"), which would leave one bias unsaid."""
+        if value:
+            if not all(_TOKEN_ID.fullmatch(key) for key in value):
+                raise ValueError("logit_bias keys must be token ids written in ASCII digits, e.g. {\"50256\": -100}")
+            if len({int(key) for key in value}) != len(value):
+                raise ValueError("logit_bias names a token id twice")
         return value
 
     def options(self, max_tokens: int, logprobs: bool, top_logprobs: int) -> GenerationOptions:
@@ -150,7 +158,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False  # the prompt before each choice's text (and, with logprobs, its tokens' logprobs first)
-    best_of: Literal[1] | None = None
+    best_of: int | None = None  # only n itself: a best_of > n would rank candidates, which specserve does not
     suffix: None = None
 
     @field_validator("prompt")
@@ -160,6 +168,12 @@ class CompletionRequest(_SamplingFields):
         if any(len(prompt) == 0 for prompt in batch):
             raise ValueError("prompt must not be empty")
         return value
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of must equal n ({self.n}): ranking best_of candidates is not supported")
+        return self
 
     @model_validator(mode="after")
     def _choices_in_bounds(self):

@@ -223,8 +223,9 @@ class Router:
         await self._ensure_ready()
         self._check_model(body.model)
         prompts = [self._encode(prompt) for prompt in body.prompts]
-        max_tokens = self._max_tokens(body.max_tokens, max(len(ids) for ids in prompts))
-        options = self._options(body, max_tokens, body.logprobs is not None, body.logprobs or 0)
+        longest = max(len(ids) for ids in prompts)
+        options = self._options(body, self._max_tokens(body.max_tokens, longest), body.logprobs is not None,
+                                body.logprobs or 0, longest)
         echoes = None
         if body.echo:  # each prompt as sent (ids: their text), and its first token, which has no logprob
             echoes = [Echo(prompt if isinstance(prompt, str) else self.tokenizer.decode(ids),
@@ -241,7 +242,7 @@ class Router:
         prompt_ids = self._encode(prompt)
         max_tokens = self._max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt_ids),
                                       "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
-        options = self._options(body, max_tokens, body.logprobs, body.top_logprobs or 0)
+        options = self._options(body, max_tokens, body.logprobs, body.top_logprobs or 0, len(prompt_ids))
         return await self._serve(body, options, [prompt_ids], chat=True)
 
     @app.post("/tokenize")
@@ -286,10 +287,11 @@ class Router:
                            code="context_length_exceeded")
         return requested
 
-    def _options(self, body, max_tokens: int, logprobs: bool, top: int) -> GenerationOptions:
-        if body.min_tokens > max_tokens:
-            raise ApiError(400, f"min_tokens ({body.min_tokens}) must not exceed the request's token budget "
-                           f"({max_tokens})", param="min_tokens")
+    def _options(self, body, max_tokens: int, logprobs: bool, top: int, prompt_tokens: int) -> GenerationOptions:
+        room = min(max_tokens, self.max_context - prompt_tokens)  # what the request can generate
+        if body.min_tokens > room:
+            raise ApiError(400, f"min_tokens ({body.min_tokens}) must not exceed what the request can generate "
+                           f"({room}: max_tokens, and the context beside the prompt)", param="min_tokens")
         try:
             options = body.options(max_tokens, logprobs, top)
         except ValidationError as exc:  # the request model checks first: this is a backstop
@@ -316,8 +318,9 @@ class Router:
     async def _serve(self, body, options: GenerationOptions, prompts: list[list[int]], chat: bool,
                      echoes: list[Echo] | None = None):
         """Run the request's choices -- ``n`` per prompt, prompt i's choice j at index
-        i * n + j, as vLLM numbers them -- each a sequence of its own (admitted together:
-        all or none), and answer with all of them, or stream them as they commit."""
+        i * n + j, as vLLM numbers them -- each a sequence of its own (all admitted before
+        any token is sent, or the request refused), and answer with all of them, or
+        stream them as they commit."""
         arrived = time.perf_counter()
         queue: asyncio.Queue[ChoiceEvent | None] = asyncio.Queue()
         drivers, stamps = [], []
@@ -333,15 +336,11 @@ class Router:
             drivers.append(self.factory.create(uuid.uuid4().hex, prompt_ids, choice, on_token))
             stamps.append(times)
         # 503 here, before any stream starts; a choice that cannot be admitted takes its siblings with it
-        admissions = await asyncio.gather(*(self.coordinator.admit(d) for d in drivers), return_exceptions=True)
-        failure = next((a for a in admissions if isinstance(a, BaseException)), None)
-        if failure is not None:
-            for driver, admitted in zip(drivers, admissions):
-                if isinstance(admitted, BaseException):
-                    self.metrics.request_done(driver.mode, "rejected", [], arrived)
-                else:
-                    self.coordinator.retire(admitted)
-            raise _as_api_error(failure) from failure
+        try:
+            admissions = await admit_all(self.coordinator, drivers, lambda driver: self.metrics.request_done(
+                driver.mode, "rejected", [], arrived))
+        except Exception as exc:  # noqa: BLE001
+            raise _as_api_error(exc) from exc
         tasks = []
         for driver, times, admitted in zip(drivers, stamps, admissions):
             task = asyncio.ensure_future(self.coordinator.follow(admitted))
@@ -446,6 +445,31 @@ class WriteBudget:
         return max(0, open_streams - 1) / self.per_s
 
 
+async def admit_all(coordinator: RoundCoordinator, drivers: list, rejected: Callable[[object], None]) -> list:
+    """Admit every choice of a request (each as KV allows, concurrently), or none: if one
+    is refused, or the caller goes away meanwhile, the admitted ones are retired (their
+    KV freed), also any whose admission completes only after that; ``rejected(driver)``
+    is called for every choice of a request that was not admitted whole."""
+    admits = [asyncio.ensure_future(coordinator.admit(driver)) for driver in drivers]
+
+    def give_up(task: asyncio.Future, driver) -> None:
+        if not task.cancelled() and task.exception() is None:
+            coordinator.retire(task.result())
+        rejected(driver)
+
+    try:
+        await asyncio.gather(*admits)
+    except BaseException:
+        for task, driver in zip(admits, drivers):
+            if task.done():
+                give_up(task, driver)
+            else:
+                task.cancel()  # an admission cancelled meanwhile gives its grant back itself
+                task.add_done_callback(lambda t, d=driver: give_up(t, d))
+        raise
+    return [task.result() for task in admits]
+
+
 def choice_options(options: GenerationOptions, n: int) -> list[GenerationOptions]:
     """Each of ``n`` choices' options: a seeded request's choice i draws from seed + i, as
     vLLM seeds its parallel samples, so each choice differs and the whole is reproducible."""
@@ -504,8 +528,8 @@ async def token_writes(queue: asyncio.Queue, interval: int = 1, min_gap_s: Calla
                 while not queue.empty():
                     events.append(queue.get_nowait())
                 last = events[-1]
-                if last is None or last.finish_reason is not None or sent == 0:
-                    break
+                if last is None or sent == 0 or any(e is not None and e.finish_reason is not None for e in events):
+                    break  # (one choice's finishing token among a sibling's goes at once too)
                 if len(events) < interval:
                     events.append(await queue.get())
                     continue

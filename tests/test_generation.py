@@ -185,3 +185,29 @@ def test_sliding_window_generation_runs_within_the_window(heldout_prompts, make_
     assert engine.drain() and engine.target.cache.used_blocks == 0
     with pytest.raises(ValueError, match="full-attention KV cache"):
         engine.generate(heldout_prompts[0], GenerationOptions(speculative_mode="prompt_lookup"))
+
+
+def test_min_tokens_stop_strings_follow_vllm_v1_per_stop_string(target_engine):
+    """A stop string counts only if it ends after the first min_tokens tokens' text, each
+    by its own length (not the longest stop's): measured on a forced output."""
+    from engine.spec.sequence import SequenceState
+
+    tokenizer = target_engine.tokenizer
+    pieces = tokenizer.encode(" Hello there, world")
+    texts = [tokenizer.decode(pieces[: i + 1]) for i in range(len(pieces))]
+
+    def run(stop: list[str], min_tokens: int) -> str:
+        options = GenerationOptions(max_new_tokens=len(pieces), stop=stop, min_tokens=min_tokens)
+        state = SequenceState([1], options, tokenizer, (), 512)
+        for token in pieces:
+            if state.commit(token):
+                break
+        return state.text
+
+    boundary = texts[1]  # the first two tokens' text
+    early = boundary[-2:]  # lies wholly within it
+    assert run([early], 0) == boundary[:-2]  # without min_tokens it stops there
+    assert run([early], 2) == texts[-1]  # never counts once it ends before the boundary
+    assert run([early, "z" * 20], 2) == texts[-1]  # nor because another stop string is longer
+    straddling = texts[2][len(boundary) - 1: len(boundary) + 1]  # begins before the boundary, ends after
+    assert run([straddling], 2) == texts[2][: len(boundary) - 1]

@@ -411,6 +411,10 @@ def test_a_client_that_disconnects_mid_stream_gets_its_kv_blocks_freed(server, h
     ({"model": "specserve", "prompt": "x", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),  # outside the vocabulary
     ({"model": "specserve", "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"model": "specserve", "prompt": "x", "max_tokens": 5, "min_tokens": 6}, 400, "min_tokens"),
+    ({"model": "specserve", "prompt": "x", "logit_bias": {"\u00b2": 1}}, 400, "logit_bias"),  # a digit int() refuses
+    ({"model": "specserve", "prompt": "x", "logit_bias": {"5": 1, "05": -1}}, 400, "logit_bias"),  # one id twice
+    ({"model": "specserve", "prompt": "x", "logit_bias": {"5": True}}, 400, "logit_bias.5"),
+    ({"model": "specserve", "prompt": "x", "n": 2, "best_of": 3}, 400, None),
     # the prompt fits and so does max_tokens alone, but not both: told, never cut short
     ({"model": "specserve", "prompt": "x " * 200, "max_tokens": 400}, 400, "max_tokens"),
 ])
@@ -429,6 +433,10 @@ def test_malformed_json_and_empty_chat_are_400(server):
     response = httpx.post(f"{server}/v1/chat/completions", json={"model": "specserve", "messages": []}, timeout=30,
                           headers=AUTH)
     assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    # Chat without max_tokens may generate the rest of the context: a min_tokens past that is refused.
+    response = httpx.post(f"{server}/v1/chat/completions", timeout=30, headers=AUTH, json={
+        "model": "specserve", "messages": [{"role": "user", "content": "x " * 300}], "min_tokens": 400})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "min_tokens"
 
 
 def test_unknown_routes_and_methods_get_openai_shaped_errors_and_the_model_card_is_served(server):

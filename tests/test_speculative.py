@@ -203,8 +203,8 @@ def test_penalties_logit_bias_and_min_tokens_keep_speculation_lossless(mode, bun
 
 
 def test_min_tokens_defers_stop_strings_as_vllm_does(bundle_engine, heldout_prompts):
-    """Before min_tokens are generated no stop string is looked for; after, one that ends
-    in the new text counts."""
+    """Until more than min_tokens are generated no stop string is looked for; after, one
+    counts only if it ends in the text after theirs (vLLM V1's rule)."""
     prompt = heldout_prompts[17]
     free = bundle_engine.generate(prompt, GenerationOptions(max_new_tokens=40, speculative_mode="none"))
     assert free.finish_reason == "length"  # no EOS in it: min_tokens' mask changes nothing below
@@ -215,7 +215,7 @@ def test_min_tokens_defers_stop_strings_as_vllm_does(bundle_engine, heldout_prom
                                                             speculative_mode="eagle3"))
     assert early.finish_reason == "stop" and len(early.token_ids) <= 4
     assert len(held.token_ids) >= 20 and held.token_ids[:20] == free.token_ids[:20]
-    # The first match that may count begins at most len(stop) - 1 characters before the 20th token's text.
-    start = max(0, len(bundle_engine.tokenizer.decode(free.token_ids[:19])) - (len(stop) - 1))
+    # The first match that may count ends past the first 20 tokens' text (so begins at most len(stop) - 1 before).
+    start = max(0, len(bundle_engine.tokenizer.decode(free.token_ids[:20])) - (len(stop) - 1))
     at = free.text.find(stop, start)
     assert (held.text, held.finish_reason) == ((free.text[:at], "stop") if at >= 0 else (free.text, "length"))

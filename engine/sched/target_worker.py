@@ -123,6 +123,8 @@ class TargetWorker:
         self.release([item.seq_id])  # a re-prefill replaces whatever was left of the sequence
         cache = self.target.cache
         try:
+            if item.resume and item.rules is None:  # its tokens are not its prompt: the rules cannot be derived
+                raise ValueError("a resuming prefill must carry the sequence's rules")
             cache.add_sequence(item.seq_id, item.reserved_blocks)
             feed = item.tokens[:-1] if item.resume else item.tokens
             out = self.target.feed_batch([FeedRequest(item.seq_id, feed, 0)])[0]

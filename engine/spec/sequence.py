@@ -51,7 +51,7 @@ class SequenceState:
         self._text = ""       # all decoded text so far (may run past a stop string)
         self._emitted = 0     # characters of _text already handed to the callback
         self._holdback = max((len(s) for s in options.stop), default=1) - 1
-        self._search_from = 0  # where stop strings may start: min_tokens moves it on, as vLLM's check does
+        self._boundary = 0  # text of the first min_tokens tokens: a stop string must end past it
 
     @property
     def generated(self) -> list[int]:
@@ -73,10 +73,6 @@ class SequenceState:
         self.tokens.append(token_id)
         if logprob is not None:
             self.logprobs.append(logprob)
-        if len(self.tokens) - self.prompt_len == self.options.min_tokens:
-            # The first token stop strings are looked for after; a match may begin in the
-            # text just before it (vLLM checks the new text plus a stop string's length).
-            self._search_from = max(0, len(self._text) - self._holdback)
         if token_id in self.eos_token_ids or token_id in self.stop_token_ids:
             self.finish_reason = "stop"  # the token is kept, its text is not (vLLM's default)
             self._text += self._decoder.flush()
@@ -99,12 +95,16 @@ class SequenceState:
         return False
 
     def _find_stop(self) -> int | None:
-        """Earliest stop-string match in text not yet emitted (matches may straddle tokens);
-        none before ``min_tokens`` tokens are generated."""
-        if len(self.tokens) - self.prompt_len < self.options.min_tokens:
+        """Earliest stop-string match in text not yet emitted (matches may straddle tokens).
+        With ``min_tokens``, vLLM's (V1) rule: none is looked for until more than that many
+        tokens are generated, and a match must end in the text after theirs (it may begin
+        up to its own length - 1 characters before)."""
+        if self.options.min_tokens and len(self.tokens) - self.prompt_len <= self.options.min_tokens:
+            self._boundary = len(self._text)
             return None
-        start = max(self._search_from, self._emitted - self._holdback)
-        hits = [i for i in (self._text.find(s, start) for s in self.options.stop) if i >= 0]
+        floor = max(0, self._emitted - self._holdback)
+        hits = [i for i in (self._text.find(s, max(floor, self._boundary - len(s) + 1)) for s in self.options.stop)
+                if i >= 0]
         return min(hits) if hits else None
 
     def _emit(self, token_id: int, logprob: TokenLogprob | None, upto: int) -> None:
