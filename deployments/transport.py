@@ -7,6 +7,8 @@ says which worker holds a target replica's pool. Items are small; anchors and dr
 distributions inside them are ObjectRefs, which Ray passes along unresolved."""
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 from collections import Counter
 from typing import Hashable, Sequence
@@ -48,10 +50,22 @@ class ServeTransport:
             return await getattr(self.kv_manager, method).remote(*args)
 
     async def admit(self, seq_id: Hashable, tokens: int, avoid: Sequence[str]) -> Grant:
+        """Reserve KV on the KV manager. Cancelling an await of a Ray actor task does not
+        cancel the task (checked here: an async actor method awaited and cancelled runs to
+        its end), so a grant could land after its caller left, when the release sent on
+        leaving had found nothing to release: such a grant is released when it lands."""
+        call = asyncio.ensure_future(self.kv_call("admit", seq_id, tokens, list(avoid)))
         try:
-            return await self.kv_call("admit", seq_id, tokens, list(avoid))
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            call.add_done_callback(functools.partial(self._release_if_granted, seq_id))
+            raise
         except _GONE as exc:
             raise AdmissionError(f"the KV manager is restarting; retry shortly ({type(exc).__name__})") from exc
+
+    def _release_if_granted(self, seq_id: Hashable, call: asyncio.Future) -> None:
+        if not call.cancelled() and call.exception() is None:
+            asyncio.ensure_future(self.release(seq_id))
 
     async def release(self, seq_id: Hashable) -> None:
         await self.kv_call("release", seq_id)
