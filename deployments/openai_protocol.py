@@ -234,12 +234,14 @@ class TokenizeRequest(_OpenAIModel):
     """vLLM's ``POST /tokenize``: a prompt, or chat messages as the chat template renders
     them -- the very ids a completion or chat request with them would be given."""
 
-    model: str
+    model: str | None = None  # optional, as vLLM's; checked when given
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     # vLLM's default adds the tokenizer's special tokens; specserve's requests never do,
-    # so saying true would describe ids no request gets: only false is accepted.
+    # so saying true would describe ids no request gets: only false is accepted. A chat
+    # request always ends in the generation prompt: so does this.
     add_special_tokens: Literal[False] = False
+    add_generation_prompt: Literal[True] = True
 
     @model_validator(mode="after")
     def _one_input(self):
@@ -251,5 +253,5 @@ class TokenizeRequest(_OpenAIModel):
 class DetokenizeRequest(_OpenAIModel):
     """vLLM's ``POST /detokenize``: token ids back to text."""
 
-    model: str
+    model: str | None = None
     tokens: list[Annotated[StrictInt, Field(ge=0)]]

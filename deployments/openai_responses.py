@@ -117,6 +117,7 @@ class ResponseShaper:
         self.echoes = echoes
         self.id, self.created = new_id("chatcmpl" if chat else "cmpl"), now()
         self._offsets: dict[int, int] = {}  # per choice, token text streamed so far (text_offset)
+        self._started: set[int] = set()  # choices that have had a chunk
 
     # -- whole response ------------------------------------------------------------------
     def full(self, drivers: Sequence[SequenceDriver]) -> dict:
@@ -136,8 +137,8 @@ class ResponseShaper:
                           "finish_reason": state.finish_reason,
                           "logprobs": completion_logprobs(logprobs, first=echo and echo.first_token)
                           if logprobs is not None else None}
-            if self.token_ids:
-                choice["token_ids"] = list(state.generated)
+            if self.token_ids:  # vLLM's return_token_ids: the prompt's too
+                choice["token_ids"], choice["prompt_token_ids"] = list(state.generated), state.tokens[: state.prompt_len]
             choices.append(choice)
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model_name, "choices": choices,
@@ -172,7 +173,9 @@ class ResponseShaper:
         parts = []
         for item in events:
             index, event, driver = item.index, item.event, drivers[item.index]
-            if self.echoes and index not in self._offsets:  # the choice's first write: its prompt first
+            first = index not in self._started
+            self._started.add(index)
+            if self.echoes and first:  # the choice's first write: its prompt first
                 parts.append(self._echo(index, driver))
             extra = {"speculative": speculative_body(driver.stats, driver.num_drafts)} if event.finish_reason else {}
             logprobs = None
@@ -184,6 +187,8 @@ class ResponseShaper:
                 # text may lag its tokens (a possible stop string held back)
                 self._offsets[index] = offset + len(event.logprob.token)
             ids = {"token_ids": [event.token_id]} if self.token_ids else {}
+            if self.token_ids and first:  # as vLLM's: a choice's first chunk carries its prompt's ids
+                ids["prompt_token_ids"] = driver.state.tokens[: driver.state.prompt_len]
             if self.chat:
                 delta = {"content": event.text} if event.text else {}
                 parts.append(self._chunk([{"index": index, "delta": delta, "logprobs": logprobs,

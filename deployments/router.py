@@ -222,7 +222,8 @@ class Router:
     async def completions(self, body: CompletionRequest):
         await self._ensure_ready()
         self._check_model(body.model)
-        prompts = [self._encode(prompt) for prompt in body.prompts]
+        prompts = [self._encode(prompt, f"prompt[{i}]" if len(body.prompts) > 1 else "prompt")
+                   for i, prompt in enumerate(body.prompts)]
         longest = max(len(ids) for ids in prompts)
         options = self._options(body, self._max_tokens(body.max_tokens, longest), body.logprobs is not None,
                                 body.logprobs or 0, longest)
@@ -250,7 +251,8 @@ class Router:
         """vLLM's: the ids a request with this prompt (or these messages) is given, its
         count and the context limit, so a client can size ``max_tokens`` beside it."""
         await self._ensure_ready()
-        self._check_model(body.model)
+        if body.model is not None:
+            self._check_model(body.model)
         text = body.prompt if body.messages is None else self.chat_template.render(
             [m.model_dump(exclude_none=True) for m in body.messages])
         tokens = self.tokenizer.encode(text)
@@ -258,13 +260,15 @@ class Router:
 
     @app.post("/detokenize")
     async def detokenize(self, body: DetokenizeRequest) -> dict:
-        """vLLM's: the text of token ids (special tokens left out, as in a response)."""
+        """vLLM's: the text of token ids, special tokens included (a response's text leaves
+        them out), so that a prompt's ids give back the prompt."""
         await self._ensure_ready()
-        self._check_model(body.model)
+        if body.model is not None:
+            self._check_model(body.model)
         vocab = self.factory.vocab_size
         if any(t >= vocab for t in body.tokens):
             raise ApiError(400, f"tokens must be token ids below the vocabulary size {vocab}", param="tokens")
-        return {"prompt": self.tokenizer.decode(body.tokens)}
+        return {"prompt": self.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     # -- internals -----------------------------------------------------------------------
     def _check_model(self, model: str) -> None:
@@ -308,11 +312,13 @@ class Router:
             raise ApiError(400, str(exc), param=exc.param) from exc
         return options
 
-    def _encode(self, prompt) -> list[int]:
+    def _encode(self, prompt, name: str = "prompt") -> list[int]:
+        """``name``: what the error calls it (``prompt[i]`` in a batch)."""
         try:
             return self.factory.encode(prompt)
         except InvalidRequestError as exc:
-            raise ApiError(400, str(exc), param="prompt", code="context_length_exceeded"
+            message = str(exc) if name == "prompt" else f"{name}: {exc}"
+            raise ApiError(400, message, param="prompt", code="context_length_exceeded"
                            if "context limit" in str(exc) else None) from exc
 
     async def _serve(self, body, options: GenerationOptions, prompts: list[list[int]], chat: bool,
@@ -337,8 +343,8 @@ class Router:
             stamps.append(times)
         # 503 here, before any stream starts; a choice that cannot be admitted takes its siblings with it
         try:
-            admissions = await admit_all(self.coordinator, drivers, lambda driver: self.metrics.request_done(
-                driver.mode, "rejected", [], arrived))
+            admissions = await admit_all(self.coordinator, drivers, lambda driver, outcome: self.metrics.request_done(
+                driver.mode, outcome, [], arrived))
         except Exception as exc:  # noqa: BLE001
             raise _as_api_error(exc) from exc
         tasks = []
@@ -445,27 +451,29 @@ class WriteBudget:
         return max(0, open_streams - 1) / self.per_s
 
 
-async def admit_all(coordinator: RoundCoordinator, drivers: list, rejected: Callable[[object], None]) -> list:
+async def admit_all(coordinator: RoundCoordinator, drivers: list, rejected: Callable[[object, str], None]) -> list:
     """Admit every choice of a request (each as KV allows, concurrently), or none: if one
     is refused, or the caller goes away meanwhile, the admitted ones are retired (their
-    KV freed), also any whose admission completes only after that; ``rejected(driver)``
-    is called for every choice of a request that was not admitted whole."""
+    KV freed), also any whose admission completes only after that; ``rejected(driver,
+    outcome)`` is called once for every choice of a request that was not admitted whole,
+    with "cancelled" where its caller went away, else "rejected"."""
     admits = [asyncio.ensure_future(coordinator.admit(driver)) for driver in drivers]
 
-    def give_up(task: asyncio.Future, driver) -> None:
+    def give_up(task: asyncio.Future, driver, outcome: str) -> None:
         if not task.cancelled() and task.exception() is None:
             coordinator.retire(task.result())
-        rejected(driver)
+        rejected(driver, outcome)
 
     try:
         await asyncio.gather(*admits)
-    except BaseException:
+    except BaseException as exc:
+        outcome = "cancelled" if isinstance(exc, asyncio.CancelledError) else "rejected"
         for task, driver in zip(admits, drivers):
             if task.done():
-                give_up(task, driver)
+                give_up(task, driver, outcome)
             else:
                 task.cancel()  # an admission cancelled meanwhile gives its grant back itself
-                task.add_done_callback(lambda t, d=driver: give_up(t, d))
+                task.add_done_callback(lambda t, d=driver: give_up(t, d, outcome))
         raise
     return [task.result() for task in admits]
 

@@ -49,7 +49,8 @@ def test_a_request_cancelled_while_a_choice_waits_for_kv_frees_the_admitted_ones
     async def scenario():
         await small_pool.transport.admission.admit("hog", 30 * BLOCK)  # 34 blocks left: one choice fits
         drivers, rejected = _choices(small_pool, "cancelled", 2), []
-        admitting = asyncio.ensure_future(admit_all(small_pool.coordinator, drivers, rejected.append))
+        admitting = asyncio.ensure_future(admit_all(small_pool.coordinator, drivers,
+                                                   lambda d, outcome: rejected.append((d, outcome))))
         waiting = await _settle(small_pool, 2)  # the hog and the first choice; the second waits
         admitting.cancel()  # the client leaves
         with pytest.raises(asyncio.CancelledError):
@@ -61,7 +62,7 @@ def test_a_request_cancelled_while_a_choice_waits_for_kv_frees_the_admitted_ones
     waiting, after, rejected, drivers = _on_engine_loop(small_pool, scenario())
     assert waiting["sequences"] == 2 and waiting["free_blocks"] == 64 - 30 - 26
     assert after["sequences"] == 1 and after["free_blocks"] == 64 - 30  # the admitted choice was retired
-    assert rejected == drivers and not drivers[0].finished  # it never decoded to its end
+    assert rejected == [(d, "cancelled") for d in drivers] and not drivers[0].finished  # never decoded to its end
 
 
 def test_a_choice_that_cannot_be_admitted_takes_its_siblings_with_it(small_pool):
@@ -70,16 +71,17 @@ def test_a_choice_that_cannot_be_admitted_takes_its_siblings_with_it(small_pool)
         drivers, rejected = _choices(small_pool, "refused", 2), []
         small_pool.transport.admission.timeout_s = 0.3  # the first choice still decodes when the second gives up
         with pytest.raises(AdmissionError):
-            await admit_all(small_pool.coordinator, drivers, rejected.append)
+            await admit_all(small_pool.coordinator, drivers, lambda d, outcome: rejected.append((d, outcome)))
         small_pool.transport.admission.timeout_s = 30.0
         after = await _settle(small_pool, 1)
         await small_pool.transport.admission.release("hog")
-        whole = await admit_all(small_pool.coordinator, _choices(small_pool, "whole", 2), rejected.append)
+        whole = await admit_all(small_pool.coordinator, _choices(small_pool, "whole", 2),
+                                lambda d, outcome: rejected.append((d, outcome)))
         for run in whole:
             await small_pool.coordinator.follow(run)
         return after, rejected, drivers, whole
 
     after, rejected, drivers, whole = _on_engine_loop(small_pool, scenario())
     assert after["sequences"] == 1 and after["free_blocks"] == 64 - 30
-    assert rejected == drivers  # both counted, the one admitted and retired too
+    assert rejected == [(d, "rejected") for d in drivers]  # both counted, the one admitted and retired too
     assert [len(run.driver.state.generated) for run in whole] == [400, 400]  # with room, both run whole

@@ -193,7 +193,8 @@ def test_n_choices_are_seeded_siblings_and_stream_interleaved_by_index(client, b
     assert _kv_all_free()["sequences"] == 0
 
 
-def test_tokenize_gives_the_ids_a_request_gets_and_detokenize_reverses_it(server, client, heldout_prompts):
+def test_tokenize_gives_the_ids_a_request_gets_and_detokenize_reverses_it(server, client, bundle_engine,
+                                                                         heldout_prompts):
     """vLLM's /tokenize and /detokenize: a prompt's ids are the ones a completion counts,
     chat messages' the ones a chat request counts (the template applied)."""
     def post(path: str, body: dict) -> httpx.Response:
@@ -205,6 +206,9 @@ def test_tokenize_gives_the_ids_a_request_gets_and_detokenize_reverses_it(server
     assert tokens["count"] == len(tokens["tokens"]) == completion.usage.prompt_tokens
     assert tokens["max_model_len"] == client.models.list().data[0].model_extra["max_model_len"]
     assert post("/detokenize", {"tokens": tokens["tokens"]}).json() == {"prompt": prompt}
+    eos = bundle_engine.tokenizer.eos_token_id  # special tokens are kept, as vLLM's /detokenize keeps them
+    assert httpx.post(f"{server}/detokenize", json={"tokens": [eos, *tokens["tokens"]]}, headers=AUTH,
+                      timeout=30).json()["prompt"] == "<|endoftext|>" + prompt  # and the model is optional
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def f(x):"}]
     chat = post("/tokenize", {"messages": messages}).json()
     reply = client.chat.completions.create(model="specserve", messages=messages, max_tokens=1, temperature=0)
@@ -241,12 +245,14 @@ def test_echo_returns_the_prompt_and_its_token_logprobs_whole_or_streamed(client
     np.testing.assert_allclose(lps.token_logprobs[1:len(ids)], [p.logprob for p in engine.prompt_logprobs],
                                atol=1e-4)
     assert lps.text_offset[len(ids)] == len("".join(lps.tokens[:len(ids)]))
-    text, tokens = "", []
+    text, tokens, prompt_ids = "", [], []
     for chunk in client.completions.create(model="specserve", prompt=prompt, max_tokens=6, temperature=0,
-                                           logprobs=2, echo=True, stream=True):
+                                           logprobs=2, echo=True, stream=True, extra_body={"return_token_ids": True}):
         text += chunk.choices[0].text
         tokens += chunk.choices[0].logprobs.tokens if chunk.choices[0].logprobs else []
-    assert text == choice.text and tokens == lps.tokens
+        prompt_ids += [chunk.choices[0].model_extra["prompt_token_ids"]] if "prompt_token_ids" in \
+            chunk.choices[0].model_extra else []
+    assert text == choice.text and tokens == lps.tokens and prompt_ids == [ids]  # the prompt's ids once
     bare = client.completions.create(model="specserve", prompt=ids, max_tokens=2, temperature=0, echo=True)
     assert bare.choices[0].text.startswith(bundle_engine.tokenizer.decode(ids)) and bare.choices[0].logprobs is None
 
@@ -260,6 +266,11 @@ def test_a_batch_of_prompts_gets_n_choices_each_in_vllms_order(client, bundle_en
     assert [c.index for c in response.choices] == [0, 1, 2, 3]
     assert [c.model_extra["token_ids"] for c in response.choices] == [expected[0]] * 2 + [expected[1]] * 2
     assert response.usage.prompt_tokens == sum(len(bundle_engine.factory.encode(p)) for p in prompts)
+    assert [c.model_extra["prompt_token_ids"] for c in response.choices][1::2] == \
+        [bundle_engine.factory.encode(p) for p in prompts]
+    too_long = httpx.post(f"{client.base_url}completions", headers=AUTH, timeout=30,
+                          json={"model": "specserve", "prompt": ["x", "x " * 600]})
+    assert too_long.status_code == 400 and too_long.json()["error"]["message"].startswith("prompt[1]: ")
     too_many = httpx.post(f"{client.base_url}completions", headers=AUTH, timeout=30,
                           json={"model": "specserve", "prompt": ["a", "b", "c"], "n": 6})
     assert too_many.status_code == 400 and "at most 16 choices" in too_many.json()["error"]["message"]

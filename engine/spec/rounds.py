@@ -25,7 +25,7 @@ from engine.errors import EngineError
 from engine.model.cached_decoder import CachedDecoder, SequenceOutput
 from engine.options import GenerationOptions
 from engine.spec.proposers.base import Needs, ProposerContext, SharedKvSlice
-from engine.spec.sampling import SequenceRules, TokenLogprob, token_logprob
+from engine.spec.sampling import SequenceRules, TokenLogprob, token_logprob, token_logprobs
 from engine.spec.sequence import SequenceState
 from engine.spec.stats import SpeculativeStats
 from engine.spec.verify import verify
@@ -96,8 +96,7 @@ class RoundOutcome:
 def prompt_logprobs(target: CachedDecoder, out: SequenceOutput, prompt: list[int], top_n: int) -> list[TokenLogprob]:
     """Each prompt token's log-probability after the tokens before it (so from the second
     on), from a prefill's rows: row i predicts token i + 1."""
-    return [token_logprob(out.logits[i], token, top_n, target.tokenizer.token_text)
-            for i, token in enumerate(prompt[1:])]
+    return token_logprobs(out.logits[: len(prompt) - 1], prompt[1:], top_n, target.tokenizer.token_text)
 
 
 def verify_on_target(target: CachedDecoder, seq_id: Hashable, out: SequenceOutput, drafts: list[int],

@@ -138,3 +138,23 @@ def token_logprob(logits: np.ndarray, token_id: int, top_n: int, token_text) -> 
         best = best[np.argsort(-logp[best], kind="stable")]
         top = tuple(TopLogprob(int(t), token_text(int(t)), float(logp[t])) for t in best)
     return TokenLogprob(token_id, token_text(token_id), float(logp[token_id]), top)
+
+
+def token_logprobs(rows: np.ndarray, tokens: Sequence[int], top_n: int, token_text) -> list[TokenLogprob]:
+    """``token_logprob`` for many rows at once (a prompt's: row i, token i), the softmax
+    and the top-n search vectorised over the rows, so a long prompt's cost stays numpy's."""
+    if not len(tokens):
+        return []
+    values = rows.astype(np.float64)
+    logp = values - values.max(axis=-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(axis=-1, keepdims=True))
+    chosen = logp[np.arange(len(tokens)), np.asarray(tokens)]
+    best = None
+    if top_n:
+        best = np.argpartition(-logp, top_n, axis=-1)[:, :top_n]
+        order = np.argsort(-np.take_along_axis(logp, best, axis=-1), axis=-1, kind="stable")
+        best = np.take_along_axis(best, order, axis=-1)
+    return [TokenLogprob(int(token), token_text(int(token)), float(chosen[i]),
+                         tuple(TopLogprob(int(t), token_text(int(t)), float(logp[i, t])) for t in best[i])
+                         if best is not None else ())
+            for i, token in enumerate(tokens)]
