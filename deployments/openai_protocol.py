@@ -67,7 +67,7 @@ class _OpenAIModel(BaseModel):
 
 class StreamOptions(_OpenAIModel):
     include_usage: bool = False
-    continuous_usage_stats: Literal[False] = False  # vLLM's: usage on every chunk (not implemented)
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class _SamplingFields(_OpenAIModel):

@@ -110,11 +110,13 @@ class ResponseShaper:
 
     def __init__(self, model_name: str, chat: bool, token_ids: bool = False, include_usage: bool = False,
                  token_bytes: Callable[[int], bytes] | None = None, choices_per_prompt: int = 1,
-                 echoes: Sequence[Echo] | None = None) -> None:
+                 echoes: Sequence[Echo] | None = None, continuous_usage: bool = False) -> None:
         self.model_name, self.chat, self.token_ids, self.include_usage = model_name, chat, token_ids, include_usage
         self.token_bytes = token_bytes
         self.per_prompt = choices_per_prompt  # n: choice i answers prompt i // n
         self.echoes = echoes
+        self.continuous_usage = include_usage and continuous_usage  # vLLM's continuous_usage_stats
+        self._prompt_tokens = self._streamed = 0  # for it: the prompts' tokens, the tokens streamed so far
         self.id, self.created = new_id("chatcmpl" if chat else "cmpl"), now()
         self._offsets: dict[int, int] = {}  # per choice, token text streamed so far (text_offset)
         self._started: set[int] = set()  # choices that have had a chunk
@@ -153,18 +155,20 @@ class ResponseShaper:
     # -- stream --------------------------------------------------------------------------
     def _chunk(self, choices: list, **extra) -> str:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        if self.include_usage:
-            extra.setdefault("usage", None)  # OpenAI's: null on every chunk but the usage one
+        if self.include_usage:  # OpenAI's: null on every chunk but the usage one; vLLM's continuous: so far
+            extra.setdefault("usage", usage_body(self._prompt_tokens, self._streamed) if self.continuous_usage
+                             else None)
         return "data: " + json.dumps({"id": self.id, "object": kind, "created": self.created,
                                       "model": self.model_name, "choices": choices, **extra}) + "\n\n"
 
-    def opening(self, choices: int = 1) -> str:
+    def opening(self, drivers: Sequence[SequenceDriver]) -> str:
         """What a stream starts with: chat announces the assistant role, per choice;
         completions nothing."""
+        self._prompt_tokens = sum(d.state.prompt_len for d in drivers[:: self.per_prompt])
         if not self.chat:
             return ""
         return "".join(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
-                                     "logprobs": None, "finish_reason": None}]) for index in range(choices))
+                                     "logprobs": None, "finish_reason": None}]) for index in range(len(drivers)))
 
     def tokens(self, events: Sequence[ChoiceEvent], drivers: Sequence[SequenceDriver]) -> str:
         """One chunk per committed token, concatenated: a round's tokens go out as one write.
@@ -175,6 +179,7 @@ class ResponseShaper:
             index, event, driver = item.index, item.event, drivers[item.index]
             first = index not in self._started
             self._started.add(index)
+            self._streamed += 1
             if self.echoes and first:  # the choice's first write: its prompt first
                 parts.append(self._echo(index, driver))
             extra = {"speculative": speculative_body(driver.stats, driver.num_drafts)} if event.finish_reason else {}

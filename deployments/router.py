@@ -354,9 +354,10 @@ class Router:
                 mode, "cancelled" if t.cancelled() else "error" if t.exception() else "ok", times, arrived))
             tasks.append(task)
         run = asyncio.ensure_future(all_choices(tasks))
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        shaper = ResponseShaper(self.model_name, chat, body.return_token_ids, include_usage, self.tokenizer.token_bytes,
-                                choices_per_prompt=body.n, echoes=echoes)
+        usage = body.stream_options
+        shaper = ResponseShaper(self.model_name, chat, body.return_token_ids, usage is not None and usage.include_usage,
+                                self.tokenizer.token_bytes, choices_per_prompt=body.n, echoes=echoes,
+                                continuous_usage=usage is not None and usage.continuous_usage_stats)
         if not body.stream:
             try:
                 await run
@@ -379,7 +380,7 @@ class Router:
         """Forward committed tokens as they come; a client that disconnects cancels the request."""
         self._open_streams += 1
         try:
-            if opening := shaper.opening(len(drivers)):
+            if opening := shaper.opening(drivers):
                 yield opening
             async for events in token_writes(queue, self.settings.stream_interval, self._write_gap_s):
                 self.write_budget.wrote(time.monotonic())

@@ -288,6 +288,12 @@ def test_chat_completion_and_its_stream_agree(client):
     assert text == full.choices[0].message.content and text
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens == 20
+    # vLLM's continuous_usage_stats: every chunk carries the usage so far
+    counted = [c.usage.completion_tokens for c in client.chat.completions.create(
+        model="specserve", messages=messages, max_tokens=20, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True})]
+    assert counted[0] == 0 and counted == sorted(counted) and counted[-2] == counted[-1] == 20
+    assert len(counted) == 20 + 2  # the role chunk, one per token, the usage chunk
 
 
 def test_completion_logprobs_match_the_engine(client, bundle_engine, heldout_prompts):
