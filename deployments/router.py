@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.metadata
 import logging
 import math
 import os
@@ -188,6 +189,14 @@ class Router:
     async def health(self) -> dict:
         await self._ensure_ready()
         return {"status": "ok"}
+
+    @app.get("/version")
+    async def version(self) -> dict:
+        """vLLM's: the server's version (the installed specserve package's)."""
+        try:
+            return {"version": importlib.metadata.version("specserve")}
+        except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+            return {"version": "unknown"}
 
     @app.get("/v1/models")
     async def models(self) -> dict:

@@ -79,6 +79,9 @@ def _complete(client, prompt: str, mode: str, max_tokens: int = MAX_TOKENS, adap
 def test_health_and_models(server, client):
     assert httpx.get(f"{server}/health").json() == {"status": "ok"}  # liveness needs no key
     assert [m.id for m in client.models.list().data] == ["specserve"]
+    import importlib.metadata
+    version = httpx.get(f"{server}/version", headers=AUTH, timeout=30).json()
+    assert version == {"version": importlib.metadata.version("specserve")}  # vLLM's GET /version
 
 
 @pytest.mark.parametrize("mode", MODES)
