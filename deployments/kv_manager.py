@@ -49,6 +49,10 @@ class KVManager:
         """Reserve KV for a request, waiting up to the admission timeout for room."""
         return await self.admission.admit(seq_id, tokens, avoid)
 
+    async def admit_many(self, requests: list[tuple[Hashable, int]], avoid: Sequence[str] = ()) -> list[Grant]:
+        """Reserve KV for a request's choices: all at once or none (``Admission.admit_many``)."""
+        return await self.admission.admit_many(requests, avoid)
+
     async def release(self, seq_id: Hashable) -> bool:
         return await self.admission.release(seq_id)
 

@@ -333,9 +333,8 @@ class Router:
     async def _serve(self, body, options: GenerationOptions, prompts: list[list[int]], chat: bool,
                      echoes: list[Echo] | None = None):
         """Run the request's choices -- ``n`` per prompt, prompt i's choice j at index
-        i * n + j, as vLLM numbers them -- each a sequence of its own (all admitted before
-        any token is sent, or the request refused), and answer with all of them, or
-        stream them as they commit."""
+        i * n + j, as vLLM numbers them -- each a sequence of its own (admitted together,
+        or the request refused), and answer with all of them, or stream them as they commit."""
         arrived = time.perf_counter()
         queue: asyncio.Queue[ChoiceEvent | None] = asyncio.Queue()
         drivers, stamps = [], []
@@ -462,30 +461,17 @@ class WriteBudget:
 
 
 async def admit_all(coordinator: RoundCoordinator, drivers: list, rejected: Callable[[object, str], None]) -> list:
-    """Admit every choice of a request (each as KV allows, concurrently), or none: if one
-    is refused, or the caller goes away meanwhile, the admitted ones are retired (their
-    KV freed), also any whose admission completes only after that; ``rejected(driver,
-    outcome)`` is called once for every choice of a request that was not admitted whole,
-    with "cancelled" where its caller went away, else "rejected"."""
-    admits = [asyncio.ensure_future(coordinator.admit(driver)) for driver in drivers]
-
-    def give_up(task: asyncio.Future, driver, outcome: str) -> None:
-        if not task.cancelled() and task.exception() is None:
-            coordinator.retire(task.result())
-        rejected(driver, outcome)
-
+    """Admit every choice of a request at once, or none (``RoundCoordinator.admit_many``:
+    the KV of all of them is reserved together, so a request never holds part of it while
+    it waits for the rest); ``rejected(driver, outcome)`` is called for each choice of one
+    that was not admitted, with "cancelled" where its caller went away, else "rejected"."""
     try:
-        await asyncio.gather(*admits)
+        return await coordinator.admit_many(drivers)
     except BaseException as exc:
         outcome = "cancelled" if isinstance(exc, asyncio.CancelledError) else "rejected"
-        for task, driver in zip(admits, drivers):
-            if task.done():
-                give_up(task, driver, outcome)
-            else:
-                task.cancel()  # an admission cancelled meanwhile gives its grant back itself
-                task.add_done_callback(lambda t, d=driver: give_up(t, d, outcome))
+        for driver in drivers:
+            rejected(driver, outcome)
         raise
-    return [task.result() for task in admits]
 
 
 def choice_options(options: GenerationOptions, n: int) -> list[GenerationOptions]:

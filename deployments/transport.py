@@ -54,18 +54,26 @@ class ServeTransport:
         cancel the task (checked here: an async actor method awaited and cancelled runs to
         its end), so a grant could land after its caller left, when the release sent on
         leaving had found nothing to release: such a grant is released when it lands."""
-        call = asyncio.ensure_future(self.kv_call("admit", seq_id, tokens, list(avoid)))
+        return await self._admission(self.kv_call("admit", seq_id, tokens, list(avoid)), [seq_id])
+
+    async def admit_many(self, requests: list[tuple[Hashable, int]]) -> list[Grant]:
+        """A request's choices, all at once or none (``KVManager.admit_many``)."""
+        return await self._admission(self.kv_call("admit_many", list(requests)), [s for s, _ in requests])
+
+    async def _admission(self, coroutine, seq_ids: list[Hashable]):
+        call = asyncio.ensure_future(coroutine)
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
-            call.add_done_callback(functools.partial(self._release_if_granted, seq_id))
+            call.add_done_callback(functools.partial(self._release_if_granted, seq_ids))
             raise
         except _GONE as exc:
             raise AdmissionError(f"the KV manager is restarting; retry shortly ({type(exc).__name__})") from exc
 
-    def _release_if_granted(self, seq_id: Hashable, call: asyncio.Future) -> None:
+    def _release_if_granted(self, seq_ids: list[Hashable], call: asyncio.Future) -> None:
         if not call.cancelled() and call.exception() is None:
-            asyncio.ensure_future(self.release(seq_id))
+            for seq_id in seq_ids:
+                asyncio.ensure_future(self.release(seq_id))
 
     async def release(self, seq_id: Hashable) -> None:
         await self.kv_call("release", seq_id)

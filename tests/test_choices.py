@@ -1,5 +1,7 @@
 """A request's several choices (``n``, batched prompts) are admitted whole or not at all:
-the router's ``admit_all`` on the in-process engine's real coordinator and KV ledger."""
+the ledger reserves their KV together, so a request never holds part of it while it
+waits for the rest. The router's ``admit_all`` on the in-process engine's real
+coordinator and KV ledger, and the ledger itself."""
 from __future__ import annotations
 
 import asyncio
@@ -10,11 +12,27 @@ import pytest
 from deployments.router import admit_all
 from engine import Engine, EngineConfig, GenerationOptions, SpeculativeConfig
 from engine.config import SchedulerConfig
-from engine.kv.block_ledger import AdmissionError
+from engine.kv.block_ledger import AdmissionError, BlockLedger
 
 from .conftest import ROOT
 
 BLOCK = 16
+
+
+def test_the_ledger_reserves_a_group_whole_or_not_at_all():
+    ledger = BlockLedger()
+    ledger.register_pool("a", 10, BLOCK)
+    ledger.register_pool("b", 10, BLOCK)
+    assert ledger.try_admit("holder", 7 * BLOCK) is not None  # pool a: 3 blocks left, pool b: 10
+    assert ledger.try_admit_many([("x", 6 * BLOCK), ("y", 6 * BLOCK)]) is None  # room for one only
+    assert ledger.usage()["sequences"] == 1 and ledger.usage()["free_blocks"] == 13  # and it took nothing
+    grants = ledger.try_admit_many([("x", 6 * BLOCK), ("y", 3 * BLOCK)])
+    assert [g.replica for g in grants] == ["b", "b"] and ledger.usage()["free_blocks"] == 4  # each to the roomiest
+    with pytest.raises(AdmissionError, match="together need more KV"):
+        ledger.try_admit_many([("p", 11 * BLOCK), ("q", 11 * BLOCK)])  # each fits a pool, never both at once
+    with pytest.raises(AdmissionError, match="needs more KV than any target replica"):
+        ledger.try_admit_many([("p", BLOCK), ("q", 11 * BLOCK)])
+    assert ledger.usage()["sequences"] == 3  # the refused groups left nothing behind
 
 
 @pytest.fixture(scope="module")
@@ -37,51 +55,52 @@ def _choices(engine: Engine, name: str, n: int) -> list:
     return [engine.factory.create(f"{name}{i}", ids, options) for i in range(n)]
 
 
-async def _settle(engine: Engine, sequences: int, timeout_s: float = 20.0) -> dict:
-    """The ledger once it holds ``sequences`` (retired choices leave at the next tick)."""
-    deadline = time.monotonic() + timeout_s
-    while (usage := engine.transport.admission.usage())["sequences"] != sequences and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
-    return usage
+def _recorder(rejected: list):
+    return lambda driver, outcome: rejected.append((driver, outcome))
 
 
-def test_a_request_cancelled_while_a_choice_waits_for_kv_frees_the_admitted_ones(small_pool):
+def test_choices_that_fit_only_one_at_a_time_wait_holding_nothing_and_a_client_may_leave(small_pool):
     async def scenario():
-        await small_pool.transport.admission.admit("hog", 30 * BLOCK)  # 34 blocks left: one choice fits
+        admission = small_pool.transport.admission
+        await admission.admit("hog", 30 * BLOCK)  # 34 blocks left: room for one choice, not two
         drivers, rejected = _choices(small_pool, "cancelled", 2), []
-        admitting = asyncio.ensure_future(admit_all(small_pool.coordinator, drivers,
-                                                   lambda d, outcome: rejected.append((d, outcome))))
-        waiting = await _settle(small_pool, 2)  # the hog and the first choice; the second waits
+        admitting = asyncio.ensure_future(admit_all(small_pool.coordinator, drivers, _recorder(rejected)))
+        await asyncio.sleep(0.3)
+        waiting = admission.usage()
         admitting.cancel()  # the client leaves
         with pytest.raises(asyncio.CancelledError):
             await admitting
-        after = await _settle(small_pool, 1)
-        await small_pool.transport.admission.release("hog")
-        return waiting, after, rejected, drivers
+        await admission.release("hog")
+        return waiting, admission.usage(), rejected, drivers
 
     waiting, after, rejected, drivers = _on_engine_loop(small_pool, scenario())
-    assert waiting["sequences"] == 2 and waiting["free_blocks"] == 64 - 30 - 26
-    assert after["sequences"] == 1 and after["free_blocks"] == 64 - 30  # the admitted choice was retired
-    assert rejected == [(d, "cancelled") for d in drivers] and not drivers[0].finished  # never decoded to its end
+    assert waiting["sequences"] == 1 and waiting["free_blocks"] == 64 - 30  # neither choice took a block
+    assert after["sequences"] == 0 and after["free_blocks"] == 64
+    assert rejected == [(d, "cancelled") for d in drivers] and not any(d.state.generated for d in drivers)
 
 
-def test_a_choice_that_cannot_be_admitted_takes_its_siblings_with_it(small_pool):
+def test_a_group_is_refused_after_the_timeout_or_at_once_if_it_could_never_fit(small_pool):
     async def scenario():
-        await small_pool.transport.admission.admit("hog", 30 * BLOCK)
-        drivers, rejected = _choices(small_pool, "refused", 2), []
-        small_pool.transport.admission.timeout_s = 0.3  # the first choice still decodes when the second gives up
-        with pytest.raises(AdmissionError):
-            await admit_all(small_pool.coordinator, drivers, lambda d, outcome: rejected.append((d, outcome)))
-        small_pool.transport.admission.timeout_s = 30.0
-        after = await _settle(small_pool, 1)
-        await small_pool.transport.admission.release("hog")
-        whole = await admit_all(small_pool.coordinator, _choices(small_pool, "whole", 2),
-                                lambda d, outcome: rejected.append((d, outcome)))
+        admission = small_pool.transport.admission
+        await admission.admit("hog", 30 * BLOCK)
+        admission.timeout_s, rejected = 0.3, []
+        drivers = _choices(small_pool, "refused", 2)
+        with pytest.raises(AdmissionError, match="after waiting"):
+            await admit_all(small_pool.coordinator, drivers, _recorder(rejected))
+        admission.timeout_s = 30.0
+        held = admission.usage()
+        await admission.release("hog")
+        started = time.monotonic()
+        with pytest.raises(AdmissionError, match="together need more KV"):  # 3 x 26 blocks > 64, pool empty
+            await admit_all(small_pool.coordinator, _choices(small_pool, "never", 3), _recorder(rejected))
+        refused_in = time.monotonic() - started
+        whole = await admit_all(small_pool.coordinator, _choices(small_pool, "whole", 2), _recorder(rejected))
         for run in whole:
             await small_pool.coordinator.follow(run)
-        return after, rejected, drivers, whole
+        return held, refused_in, rejected, drivers, whole
 
-    after, rejected, drivers, whole = _on_engine_loop(small_pool, scenario())
-    assert after["sequences"] == 1 and after["free_blocks"] == 64 - 30
-    assert rejected == [(d, "rejected") for d in drivers]  # both counted, the one admitted and retired too
+    held, refused_in, rejected, drivers, whole = _on_engine_loop(small_pool, scenario())
+    assert held["sequences"] == 1 and held["free_blocks"] == 64 - 30
+    assert rejected[:2] == [(d, "rejected") for d in drivers] and len(rejected) == 5  # the 3 never-fitting too
+    assert refused_in < 5.0  # not after the 30 s admission timeout
     assert [len(run.driver.state.generated) for run in whole] == [400, 400]  # with room, both run whole

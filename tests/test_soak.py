@@ -42,9 +42,9 @@ def _kv(server: str) -> dict:
 
 def test_a_client_gone_while_its_choices_wait_for_kv_leaves_no_blocks_held(server):
     """Five long streams hold 130 of the 160 blocks; an n=2 request (26 blocks a choice)
-    gets one choice in and waits for the other's room, and its client gives up: the
-    admitted choice is retired at once (it does not decode to its end), the other is never
-    admitted, and every block is back when the streams end."""
+    fits one choice but waits for room for both, holding nothing, and its client gives up:
+    no choice is ever admitted (not even when room comes), and every block is back when
+    the streams end -- also the KV manager's grant, had its wait outlived the request."""
     body = {"model": "specserve", "prompt": "def main():", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
             "speculative_mode": "none"}
 
@@ -66,7 +66,7 @@ def test_a_client_gone_while_its_choices_wait_for_kv_leaves_no_blocks_held(serve
     while any(thread.is_alive() for thread in hogs):
         seen.append(_kv(server)["sequences"])
         time.sleep(0.1)
-    assert seen[-1] <= 5 and max(seen[len(seen) // 2:]) <= 5  # the choice retired; none admitted later
+    assert max(seen) <= 5  # neither choice ever ran
     for thread in hogs:
         thread.join(timeout=120)
     deadline = time.monotonic() + 30

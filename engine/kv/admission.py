@@ -39,17 +39,27 @@ class Admission:
 
     async def admit(self, seq_id: Hashable, tokens: int, avoid: Sequence[str] = ()) -> Grant:
         """Reserve KV for a request, waiting up to ``timeout_s`` for room."""
+        return await self._wait_for(lambda: self.ledger.try_admit(seq_id, tokens, avoid), f"up to {tokens} tokens")
+
+    async def admit_many(self, requests: Sequence[tuple[Hashable, int]], avoid: Sequence[str] = ()) -> list[Grant]:
+        """Reserve KV for several sequences that run together (a request's choices): all
+        at once or none, waiting up to ``timeout_s`` for room for all of them -- so two
+        such requests never each hold part of what they need while waiting for the rest."""
+        return await self._wait_for(lambda: self.ledger.try_admit_many(requests, avoid),
+                                    f"{len(requests)} sequences of up to {[t for _, t in requests]} tokens")
+
+    async def _wait_for(self, attempt, what: str):
         deadline = time.monotonic() + self.timeout_s
         async with self.room:
             while True:
-                grant = self.ledger.try_admit(seq_id, tokens, avoid)
-                if grant is not None:
-                    return grant
+                granted = attempt()
+                if granted is not None:
+                    return granted
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     usage = self.ledger.usage()
                     raise AdmissionError(
-                        f"no KV room for a request of up to {tokens} tokens after waiting {self.timeout_s:g} s "
+                        f"no KV room for a request of {what} after waiting {self.timeout_s:g} s "
                         f"({usage['free_blocks']} of {usage['total_blocks']} blocks free, {usage['sequences']} "
                         "sequences running); retry later")
                 try:

@@ -95,6 +95,30 @@ class BlockLedger:
         self._seqs[seq_id] = _Grant(replica, blocks)
         return Grant(replica, list(blocks))
 
+    def try_admit_many(self, requests: Sequence[tuple[Hashable, int]], avoid: Sequence[str] = ()
+                       ) -> list[Grant] | None:
+        """``try_admit`` for several sequences that must run together (a request's
+        choices): all of them reserved, each on the roomiest pool then, or none (None:
+        not now). Raises ``AdmissionError`` when one could never be held, or all of them
+        could never be held at once."""
+        pools = {r: p for r, p in self._pools.items() if r not in avoid}
+        total = sum(p.num_blocks * p.block_size for p in pools.values())
+        if pools and sum(tokens for _, tokens in requests) > total:
+            raise AdmissionError(f"{len(requests)} sequences of up to {[t for _, t in requests]} tokens together need "
+                                 f"more KV than the target replicas have ({total} token slots)")
+        grants: list[Grant] = []
+        try:
+            for seq_id, tokens in requests:
+                grant = self.try_admit(seq_id, tokens, avoid)
+                if grant is None:
+                    break
+                grants.append(grant)
+        finally:
+            if len(grants) < len(requests):  # no room for all now (or an error): give back what this took
+                for seq_id, _ in requests[: len(grants)]:
+                    self.release(seq_id)
+        return grants if len(grants) == len(requests) else None
+
     def release(self, seq_id: Hashable) -> bool:
         entry = self._seqs.pop(seq_id, None)
         if entry is None:

@@ -62,6 +62,9 @@ class Transport(Protocol):
     async def admit(self, seq_id: Hashable, tokens: int, avoid: Sequence[str]) -> Grant:
         """Reserve ``tokens`` of KV, waiting for room; raises ``AdmissionError``."""
 
+    async def admit_many(self, requests: list[tuple[Hashable, int]]) -> list[Grant]:
+        """``admit`` for sequences that run together: all of them at once or none."""
+
     async def release(self, seq_id: Hashable) -> None: ...
 
     async def target_step(self, replica: str, prefills: list[PrefillItem], verifies: list[VerifyItem],
@@ -156,16 +159,29 @@ class RoundCoordinator:
     async def admit(self, driver: SequenceDriver) -> "_Run":
         """Reserve the request's KV (waiting for room) and put it in a lane. Raises the
         admission error, so a server can answer 503 before it starts a stream."""
-        run = _Run(driver, asyncio.get_running_loop().create_future())
+        return (await self.admit_many([driver]))[0]
+
+    async def admit_many(self, drivers: Sequence[SequenceDriver]) -> list["_Run"]:
+        """``admit`` for sequences that run together (a request's choices): their KV is
+        reserved all at once or not at all, so a request never holds part of what it
+        needs while waiting for the rest, and one that could never fit whole fails at once."""
+        loop = asyncio.get_running_loop()
+        runs = [_Run(driver, loop.create_future()) for driver in drivers]
         try:
-            run.grant = await self.transport.admit(driver.seq_id, driver.kv_tokens, [])
+            if len(drivers) == 1:
+                grants = [await self.transport.admit(drivers[0].seq_id, drivers[0].kv_tokens, [])]
+            else:
+                grants = await self.transport.admit_many([(d.seq_id, d.kv_tokens) for d in drivers])
         except asyncio.CancelledError:
-            asyncio.ensure_future(self.transport.release(driver.seq_id))  # an admit may land after we left
+            for driver in drivers:  # an admit may land after we left
+                asyncio.ensure_future(self.transport.release(driver.seq_id))
             raise
-        lane = min(self._lanes, key=lambda la: len(la.runs))
-        lane.runs.append(run)
-        self._ensure_running(lane)
-        return run
+        for run, grant in zip(runs, grants):
+            run.grant = grant
+            lane = min(self._lanes, key=lambda la: len(la.runs))
+            lane.runs.append(run)
+            self._ensure_running(lane)
+        return runs
 
     async def follow(self, run: "_Run") -> None:
         """Wait for an admitted request to finish. Cancelling the caller (a client
@@ -173,16 +189,10 @@ class RoundCoordinator:
         try:
             await asyncio.shield(run.done)
         except asyncio.CancelledError:
-            self.retire(run)
+            run.cancelled = True
+            for lane in self._lanes:
+                lane.wake.set()
             raise
-
-    def retire(self, run: "_Run") -> None:
-        """Give up an admitted request (its caller went away, or, for one of several
-        choices, a sibling could not be admitted): it leaves at the next tick and its KV
-        is freed. A no-op for one that has finished."""
-        run.cancelled = True
-        for lane in self._lanes:
-            lane.wake.set()
 
     async def drain(self, timeout_s: float = 30.0) -> bool:
         """Wait until every lane has sent its pending releases (tests, graceful shutdown);

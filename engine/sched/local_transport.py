@@ -32,6 +32,9 @@ class LocalTransport:
         # away, so a sequence it lost is re-admitted right here (avoiding it would wait forever).
         return await self.admission.admit(seq_id, tokens)
 
+    async def admit_many(self, requests: list[tuple[Hashable, int]]) -> list[Grant]:
+        return await self.admission.admit_many(requests)
+
     async def release(self, seq_id: Hashable) -> None:
         await self.admission.release(seq_id)
 
