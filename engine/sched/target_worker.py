@@ -198,12 +198,8 @@ class TargetWorker:
         an end-of-sequence token (stop strings are the caller's: what it does not commit,
         it releases with the sequence). A sequence whose round fails has its outcome
         replaced by the exception, as in ``_verify``. Returns each sequence's further rounds."""
-        eos = set(self.target.eos_token_ids)
-
         def ended(seq_id: Hashable, outcome: RoundOutcome) -> bool:
-            options = self._seqs[seq_id].options
-            last = outcome.tokens[-1]
-            return (not options.ignore_eos and last in eos) or last in options.stop_token_ids
+            return outcome.tokens[-1] in self._seqs[seq_id].rules.end_tokens  # EOS unless ignored, stop ids
 
         more: dict[Hashable, list[RoundOutcome]] = {i.seq_id: [] for i in items}
         left = {i.seq_id: 0 if ended(i.seq_id, outcomes[i.seq_id]) else i.steps - 1 for i in items}

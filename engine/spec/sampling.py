@@ -125,24 +125,14 @@ class TokenLogprob:
     top: tuple[TopLogprob, ...] = field(default_factory=tuple)
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits.astype(np.float64) - logits.max()
-    return shifted - np.log(np.exp(shifted).sum())
-
-
 def token_logprob(logits: np.ndarray, token_id: int, top_n: int, token_text) -> TokenLogprob:
-    logp = log_softmax(logits)
-    top: tuple[TopLogprob, ...] = ()
-    if top_n:
-        best = np.argpartition(-logp, top_n)[:top_n]
-        best = best[np.argsort(-logp[best], kind="stable")]
-        top = tuple(TopLogprob(int(t), token_text(int(t)), float(logp[t])) for t in best)
-    return TokenLogprob(token_id, token_text(token_id), float(logp[token_id]), top)
+    return token_logprobs(logits[None], [token_id], top_n, token_text)[0]
 
 
 def token_logprobs(rows: np.ndarray, tokens: Sequence[int], top_n: int, token_text) -> list[TokenLogprob]:
-    """``token_logprob`` for many rows at once (a prompt's: row i, token i), the softmax
-    and the top-n search vectorised over the rows, so a long prompt's cost stays numpy's."""
+    """Each row's log-probability of its token (row i, token i), under the raw softmax,
+    and the ``top_n`` likeliest alternatives: vectorised over the rows, so a prompt's
+    (``prompt_logprobs``) cost stays numpy's."""
     if not len(tokens):
         return []
     values = rows.astype(np.float64)

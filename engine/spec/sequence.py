@@ -40,9 +40,9 @@ class SequenceState:
         self.tokens: list[int] = list(prompt_ids)
         self.prompt_len = len(self.tokens)
         self.max_context = max_context
-        self.eos_token_ids = frozenset(() if options.ignore_eos else eos_token_ids)
-        self.stop_token_ids = frozenset(options.stop_token_ids)  # end as EOS does, ignore_eos or not
-        self.rules = SequenceRules.of(self.prompt_len, options, eos_token_ids)  # for every logit processing
+        # for every logit processing; its end tokens (EOS unless ignored, and stop_token_ids,
+        # which end as EOS does, ignore_eos or not) are also what ends the sequence here
+        self.rules = SequenceRules.of(self.prompt_len, options, eos_token_ids)
         self.logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob] | None = None  # of prompt tokens 1.., if asked for
         self.finish_reason: FinishReason | None = None
@@ -73,7 +73,7 @@ class SequenceState:
         self.tokens.append(token_id)
         if logprob is not None:
             self.logprobs.append(logprob)
-        if token_id in self.eos_token_ids or token_id in self.stop_token_ids:
+        if token_id in self.rules.end_tokens:
             self.finish_reason = "stop"  # the token is kept, its text is not (vLLM's default)
             self._text += self._decoder.flush()
             stop_at = self._find_stop()  # the flushed tail may complete a stop string
