@@ -139,6 +139,48 @@ def test_a_mode_that_stopped_drafting_tries_again_now_and_then_less_often_in_a_l
         assert sum(plans[-1]) == 1  # one draft for one sequence refreshes the estimate
 
 
+def test_a_call_keeps_its_plan_for_a_few_rounds_and_plans_afresh_when_it_changes():
+    """Planning every round taxed one-stream rounds 1.5-2 %, so a plan holds for
+    ``replan_rounds`` rounds while its call is the same. What it weighed may move
+    meanwhile (here: the head's acceptance collapses); the plan follows at the next
+    re-plan, or at once when the call changes (a maximum shrinks near a request's end, a
+    sequence joins)."""
+    held = controller({"eagle3": 0.75})
+    held.replan_rounds = 4
+    call = requests("eagle3", 2)
+    assert held.plan(call) == [4, 4] and held.plans == 1
+    for seq in range(200):
+        held.acceptance.record(("collapsed", seq), "eagle3", 4, 0)
+        held.acceptance.record(call[0].seq_id, "eagle3", 4, 0)
+        held.acceptance.record(call[1].seq_id, "eagle3", 4, 0)
+    assert [held.plan(call) for _ in range(3)] == [[4, 4]] * 3 and held.plans == 1  # held
+    assert held.plan(call) != [4, 4] and held.plans == 2                            # re-planned
+    shorter = [DraftRequest(call[0].seq_id, "eagle3", 2, True), call[1]]
+    fresh = controller({"eagle3": 0.75})
+    fresh.replan_rounds = 4
+    assert fresh.plan(call) == [4, 4] and fresh.plan(shorter) == [2, 4] and fresh.plans == 2
+    assert fresh.plan(call + requests("mtp", 1)) and fresh.plans == 3
+    # A call of several plain rounds counts as that many: it plans again at the next call.
+    plain = controller({"prompt_lookup": 0.1}, table=LAYOUT_TABLE)
+    plain.plain_steps, plain.replan_rounds = 8, 4
+    plain.verify_costs.several[1] = ((0.01, 0.001), 100)  # 8 plain rounds a call: far cheaper here
+    lookup = [DraftRequest("s", "prompt_lookup", 4, True)]
+    assert plain.plan(lookup) == [0] and plain.last_steps == 8 and plain.plans == 1
+    plain.plan(lookup)
+    assert plain.plans == 2
+
+
+def test_exploring_counts_rounds_whether_or_not_the_plan_is_held():
+    """Held plans still explore: the wait before one sequence drafts deeper is in rounds."""
+    for replan_rounds in (1, 4):
+        loaded = controller({"prompt_lookup": 0.1})
+        loaded.replan_rounds = replan_rounds
+        wait = int(explore_wait(EXPLORE_BATCH))
+        plans = [loaded.plan(requests("prompt_lookup", EXPLORE_BATCH)) for _ in range(wait)]
+        assert all(sum(plan) == 0 for plan in plans[:-1]) and sum(plans[-1]) == 1, replan_rounds
+    assert loaded.plans < wait
+
+
 def test_a_draft_model_that_sat_out_rounds_pays_for_its_catch_up():
     """A draft model that skipped rounds (or has never seen the sequence) first feeds what
     it missed, in one pass: about a tenth of a step per token, spread over the rounds the
@@ -213,6 +255,8 @@ def test_real_calls_correct_the_table_per_kind_of_call():
     assert model.predict(32, 160) == pytest.approx(model.call(32, 160) + 0.002)
     assert model.predict(32, 32) == pytest.approx(model.call(32, 32) + 0.002)
     assert model.predict(1, 1) == CPU_LIKE.predict(1, 1)
+    prices = model.round_prices(32)  # what a plan prices its caps with is ``predict``, looked up once
+    assert [prices(rows) for rows in (32, 96, 160)] == [model.predict(32, rows) for rows in (32, 96, 160)]
 
 
 def test_one_hiccup_does_not_price_a_kind_of_call_out():

@@ -302,7 +302,8 @@ class RoundCoordinator:
         if adaptive and self.draft_lengths is None:
             self.draft_lengths = DraftLengthController(VerifyCostModel(await self.transport.verify_costs()),
                                                        DraftCostModel(BATCHED_MODES),
-                                                       plain_steps=self.config.plain_steps)
+                                                       plain_steps=self.config.plain_steps,
+                                                       replan_rounds=self.config.replan_rounds)
         for mode in {run.driver.mode for run in adaptive if run.driver.remote_proposer} - self._costed_modes:
             self._costed_modes.add(mode)
             self.draft_lengths.draft_costs.add(mode, await self.transport.draft_costs(mode))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -194,14 +194,23 @@ class VerifyCostModel:
 
     def call(self, batch: int, rows: int) -> float:
         """Predicted seconds of one target call of ``batch`` sequences padded to ``rows``."""
-        table = self.table.predict(batch, rows)
-        line = self._line(batch)
+        return self.call_prices(batch)(rows)
+
+    def call_prices(self, batch: int) -> Callable[[int], float]:
+        """``call`` at one batch size, as a function of rows, with the bucket's line and
+        kinds looked up once: a plan prices each cap of its call, and looking them up
+        again for every cap was a third of a one-stream plan's time."""
+        table, line = self.table.predict, self._line(batch)
         if line is not None:
             t0, r0, slope = line
-            return max(0.0, r0 + slope * (table - t0))
+            return lambda rows: max(0.0, r0 + slope * (table(batch, rows) - t0))
         plain, drafting = self._kinds(batch)
-        seen = (drafting or plain) if rows > batch else (plain or drafting)
-        return table * seen[0][1] / seen[0][0] if seen is not None else table
+        wide, narrow = (drafting or plain), (plain or drafting)
+
+        def price(rows: int) -> float:
+            seen = wide if rows > batch else narrow
+            return table(batch, rows) * seen[0][1] / seen[0][0] if seen is not None else table(batch, rows)
+        return price
 
     def plain_rounds(self, batch: int, steps: int) -> float:
         """Seconds of ``steps`` plain rounds of ``batch`` sequences run back to back in one
@@ -232,6 +241,11 @@ class VerifyCostModel:
         """Seconds of a round whose target call verifies ``batch`` sequences padded to
         ``rows`` rows: the call, and what the round costs beyond its calls."""
         return self.call(batch, rows) + self.overhead(batch)
+
+    def round_prices(self, batch: int) -> Callable[[int], float]:
+        """``predict`` at one batch size, as a function of rows (``call_prices``)."""
+        call, overhead = self.call_prices(batch), self.overhead(batch)
+        return lambda rows: call(rows) + overhead
 
     def observe(self, widths: Sequence[int], seconds: float, steps: int = 1) -> None:
         """One target call verifying sequences of these widths (drafts + 1 each) took
@@ -319,9 +333,20 @@ class DraftCostModel:
         return per_call + n * per_seq + steps * per_step + work * per_seq_step
 
     def predict(self, mode: str, n: int, steps: int, draft_tokens: int) -> float:
-        if n <= 0 or mode not in self.coefficients:
-            return 0.0
-        return self._table(mode, n, steps, draft_tokens) + self.overhead.get((mode, load_bucket(n)), 0.0)
+        return self.prices(mode)(n, steps, draft_tokens)
+
+    def prices(self, mode: str) -> Callable[[int, int, int], float]:
+        """``predict`` for one mode, its coefficients looked up once (a plan prices
+        every cap of its call with it)."""
+        if mode not in self.coefficients:
+            return lambda n, steps, draft_tokens: 0.0
+        table, overhead = self._table, self.overhead
+
+        def price(n: int, steps: int, draft_tokens: int) -> float:
+            if n <= 0:
+                return 0.0
+            return table(mode, n, steps, draft_tokens) + overhead.get((mode, load_bucket(n)), 0.0)
+        return price
 
     def observe(self, mode: str, n: int, steps: int, draft_tokens: int, seconds: float) -> None:
         if mode not in self.coefficients or n <= 0:

@@ -52,6 +52,7 @@ SEVERAL_ROUNDS_MARGIN = 0.1  # several plain rounds in one call must be predicte
                              # drafting plan: they skip that many chances to re-plan. Without it, at 4
                              # streams, near the break-even, the draft model drafted 0.69 a token against
                              # 0.86 with it (0.90 and 0.95 of fixed k, same bench)
+HELD_CALLS = 16          # calls whose plans are held at once (a lane and replica each); more: start over
 CATCH_UP_STEPS = 0.1     # a draft model's step-equivalents per token of catch-up: it feeds them in one
                          # pass (here: a step 0.37 ms, 10 tokens 0.58 ms, 40 tokens 1.52 ms)
 
@@ -79,11 +80,6 @@ class _Counts:
             self.tested[i] += 1
             self.passed[i] += i < accepted
 
-    def rate(self, i: int, prior: float, weight: float) -> float:
-        tested = self.tested[i] if i < len(self.tested) else 0.0
-        passed = self.passed[i] if i < len(self.passed) else 0.0
-        return (passed + weight * prior) / (tested + weight)
-
 
 class AcceptanceTracker:
     """Per-sequence and per-mode acceptance of each draft position, conditional on the
@@ -103,10 +99,22 @@ class AcceptanceTracker:
         self._seqs.pop(seq_id, None)
 
     def alphas(self, seq_id, mode: str, k_max: int) -> list[float]:
-        mode_counts = self._modes.get(mode, _Counts())
-        own = self._seqs.get(seq_id, _Counts())
-        return [own.rate(i, mode_counts.rate(i, PRIOR_ACCEPTANCE, MODE_PRIOR_WEIGHT), PRIOR_WEIGHT)
-                for i in range(k_max)]
+        """Each position's estimate: the sequence's own counts, shrunk toward its mode's
+        average (itself shrunk toward ``PRIOR_ACCEPTANCE``), each ``(passed + weight *
+        prior) / (tested + weight)``."""
+        mode_counts, own = self._modes.get(mode, _NO_COUNTS), self._seqs.get(seq_id, _NO_COUNTS)
+        mode_tested, mode_passed, tested, passed = mode_counts.tested, mode_counts.passed, own.tested, own.passed
+        known_mode, known = len(mode_tested), len(tested)
+        rates = []
+        for i in range(k_max):
+            prior = (((mode_passed[i] if i < known_mode else 0.0) + MODE_PRIOR_WEIGHT * PRIOR_ACCEPTANCE)
+                     / ((mode_tested[i] if i < known_mode else 0.0) + MODE_PRIOR_WEIGHT))
+            rates.append(((passed[i] if i < known else 0.0) + PRIOR_WEIGHT * prior)
+                         / ((tested[i] if i < known else 0.0) + PRIOR_WEIGHT))
+        return rates
+
+
+_NO_COUNTS = _Counts()  # read only: what a sequence or mode without rounds has
 
 
 @dataclass(frozen=True)
@@ -123,16 +131,52 @@ class DraftRequest:
 
 class DraftLengthController:
     def __init__(self, verify_costs: VerifyCostModel, draft_costs: DraftCostModel,
-                 acceptance: AcceptanceTracker | None = None, plain_steps: int = 1) -> None:
+                 acceptance: AcceptanceTracker | None = None, plain_steps: int = 1, replan_rounds: int = 1) -> None:
         self.verify_costs, self.draft_costs = verify_costs, draft_costs
         self.acceptance = acceptance or AcceptanceTracker()
         self.plain_steps = plain_steps  # plain rounds a target call may run back to back
         self.last_steps = 1             # ... and how many the last plan chose (1 unless it drafts nothing)
+        self.replan_rounds = replan_rounds  # rounds a plan holds while its call stays the same
+        self.plans = 0                  # plans computed (not held): tests and benches read it
+        self._held: dict[tuple, tuple[list[int], int, int]] = {}  # call -> (its plan's ks, steps, rounds held)
         self._idle_plans: dict[str, int] = {}
         self._follow_ups: dict[str, object] = {}  # mode -> the sequence it explored with last plan
 
     def plan(self, requests: Sequence[DraftRequest]) -> list[int]:
-        """Drafts for each request of one target call, in order.
+        """Drafts for each request of one target call, in order (``_best``), exploring
+        now and then (``_explore``).
+
+        A call whose sequences and maxima are the same as a recent call's keeps that
+        call's plan for ``replan_rounds`` rounds before it is computed again: what it
+        weighs (live acceptance, measured costs) moves little from one round to the next,
+        and computing it every round was a tax of 1.5-2 % on a one-stream round
+        in-process (~70 us of a ~5 ms round), where adaptive drafts what a pinned k does.
+        Held for 4 rounds, 0.4-0.9 % (same process, alternating requests). A call of
+        several plain rounds counts as that many rounds, and any change in the call --
+        a sequence joins or leaves, a maximum shrinks near a request's end, a prompt
+        lookup finds a different number of drafts -- plans afresh. Exploring still
+        happens round by round."""
+        signature = tuple((r.seq_id, r.mode, r.k_max, r.adaptive) for r in requests) \
+            if self.replan_rounds > 1 else None
+        held = self._held.get(signature)
+        if held is not None and held[2] < self.replan_rounds:
+            best_ks, best_steps, rounds = held
+            self._held[signature] = (best_ks, best_steps, rounds + best_steps)
+        else:
+            best_ks, best_steps = self._best(requests)
+            self.plans += 1
+            if signature is not None:
+                if len(self._held) >= HELD_CALLS:
+                    self._held.clear()
+                self._held[signature] = (best_ks, best_steps, best_steps)
+        best_ks = list(best_ks)
+        self._explore(requests, best_ks, best_steps)
+        self.last_steps = best_steps if not any(best_ks) else 1  # exploring may have added a draft
+        return best_ks
+
+    def _best(self, requests: Sequence[DraftRequest]) -> tuple[list[int], int]:
+        """The plan for one target call: each request's drafts, and how many plain rounds
+        the call runs (1 unless it drafts nothing).
 
         Every mode gets a cap K (tried exhaustively for up to two adaptive modes in the
         call, coordinate-wise beyond); under a cap, each sequence drafts while its next
@@ -144,11 +188,11 @@ class DraftLengthController:
         is costed padded: a batched verify runs every sequence to the longest one's rows.
 
         A plan without drafts may run ``plain_steps`` rounds in its one target call
-        (``last_steps`` says whether it does): one hop and one round's bookkeeping for that
+        (the second value says whether it does): one hop and one round's bookkeeping for that
         many tokens a sequence, where a drafting round pays its hops for its expected
         tokens. Through a server whose hops cost milliseconds that can beat drafting at one
         stream; in-process it rarely does."""
-        alphas = [self.acceptance.alphas(r.seq_id, r.mode, r.k_max) for r in requests]
+        call = _CallPricing(self, requests)
         modes = sorted({r.mode for r in requests if r.adaptive and r.k_max > 0})
         top = {m: max(r.k_max for r in requests if r.mode == m and r.adaptive) for m in modes}
         best_rate, best_ks, best_steps = -1.0, [r.k_max if not r.adaptive else 0 for r in requests], 1
@@ -161,12 +205,14 @@ class DraftLengthController:
         # weighed drafts for every adaptive sequence, so that the plan, not the absence of
         # drafts, says no (a prompt lookup that found nothing this round may find some the next).
         several_ok = self.plain_steps > 1 and all(r.k_max > 0 for r in requests if r.adaptive)
+        several = None  # the batch's tokens/s over ``plain_steps`` plain rounds in one call, once asked
         for caps in choices:
-            ks, rate = self._under_caps(requests, alphas, dict(zip(modes, caps)))
+            ks, rate = call.under_caps(dict(zip(modes, caps)))
             steps = 1
             if several_ok and not any(ks):
-                several = len(requests) * self.plain_steps / self.verify_costs.plain_rounds(len(requests),
-                                                                                            self.plain_steps)
+                if several is None:
+                    n = len(requests)
+                    several = n * self.plain_steps / self.verify_costs.plain_rounds(n, self.plain_steps)
                 if several > rate:  # weighed against drafting plans with a margin: it commits that many rounds
                     rate, steps = max(rate, several / (1 + SEVERAL_ROUNDS_MARGIN)), self.plain_steps
             if all(c == 0 for c in caps) or all(c == top[m] for c, m in zip(caps, modes)):
@@ -177,54 +223,7 @@ class DraftLengthController:
                                                          default=(0.0, best_ks, best_steps))
         if best_rate < baseline_rate * (1 + MIXED_PLAN_MARGIN):
             best_ks, best_steps = baseline_ks, baseline_steps
-        self._explore(requests, best_ks, best_steps)
-        self.last_steps = best_steps if not any(best_ks) else 1  # exploring may have added a draft
-        return best_ks
-
-    def _under_caps(self, requests: Sequence[DraftRequest], alphas: list[list[float]],
-                    caps: dict[str, int]) -> tuple[list[int], float]:
-        ks = [min(r.k_max, caps.get(r.mode, r.k_max)) if r.adaptive else r.k_max for r in requests]
-        rate = self._rate(requests, alphas, ks)
-        # A batched verify pads every sequence to the call's longest, so below the longest a
-        # draft costs no target row; what it can still cost is a draft model's step. Drop
-        # the trailing drafts whose expected tokens do not pay for that at the batch's rate.
-        # A draft model that sat out rounds (or never saw the sequence) first feeds what it
-        # missed: its first draft also pays for that catch-up (spread over the rounds left).
-        pruned = False
-        for i, r in enumerate(requests):
-            step = self.draft_costs.marginal_step(r.mode) if r.mode not in self.draft_costs.batched else 0.0
-            if not r.adaptive or step == 0.0:
-                continue
-            reach, keep = 1.0, 0
-            for j in range(ks[i]):
-                reach *= alphas[i][j]
-                if reach < rate * (step + (self._catch_up_s(r) if j == 0 else 0.0)):
-                    break
-                keep = j + 1
-            if keep < ks[i]:
-                ks[i], pruned = keep, True
-        return ks, self._rate(requests, alphas, ks) if pruned else rate
-
-    def _rate(self, requests: Sequence[DraftRequest], alphas: list[list[float]], ks: list[int]) -> float:
-        """A plan's worth as tokens per second: the batch's size over its mean expected
-        time per token (sum_s E_s / T when every sequence commits alike)."""
-        inverse, catch_up = 0.0, 0.0  # catch_up: seconds of draft models catching up first
-        drafting: dict[str, list[int]] = {}
-        for r, a, k in zip(requests, alphas, ks):
-            reach = tokens = 1.0
-            for j in range(k):
-                reach *= a[j]
-                tokens += reach
-            inverse += 1.0 / tokens
-            if k > 0:
-                drafting.setdefault(r.mode, []).append(k)
-                catch_up += self._catch_up_s(r)
-        rows = len(requests) * (max(ks, default=0) + 1)  # padded to the longest
-        seconds = self.verify_costs.predict(len(requests), rows) + catch_up
-        for mode, counts in drafting.items():
-            seconds += self.draft_costs.predict(mode, len(counts), max(counts), sum(counts))
-        expected = len(requests) ** 2 / inverse if inverse else 0.0
-        return expected / seconds if seconds > 0 else float("inf")
+        return best_ks, best_steps
 
     def _catch_up_s(self, r: DraftRequest) -> float:
         """Seconds a draft model's catch-up adds to this round if the sequence drafts (a
@@ -270,3 +269,82 @@ class DraftLengthController:
             if ks[deepest] == 0:
                 self._follow_ups[mode] = requests[deepest].seq_id
             ks[deepest] += 1
+
+
+class _CallPricing:
+    """One target call's plans priced from tables made once per ``plan``: each sequence's
+    expected tokens for every k (prefix products of its alphas), its draft-model step and
+    catch-up, and the call's verify and proposer costs as functions bound once. A plan
+    weighs every cap of its call, and recomputing these per cap was a quarter of its
+    time at 16-32 sequences (warm: 120 -> 95 us a plan at 16, 186 -> 132 at 32; at one
+    sequence 39 -> 37, where the plan's fixed part dominates and holding it pays)."""
+
+    def __init__(self, controller: DraftLengthController, requests: Sequence[DraftRequest]) -> None:
+        self.requests = requests
+        acceptance, draft_costs = controller.acceptance, controller.draft_costs
+        self.reach: list[list[float]] = []   # per request: P(drafts 1..j+1 all accepted), j < k_max
+        self.inverse: list[list[float]] = []  # per request: 1 / expected tokens committed with k drafts
+        for r in requests:
+            reach, tokens, reaches, inverse = 1.0, 1.0, [], [1.0]
+            for alpha in acceptance.alphas(r.seq_id, r.mode, r.k_max):
+                reach *= alpha
+                tokens += reach
+                reaches.append(reach)
+                inverse.append(1.0 / tokens)
+            self.reach.append(reaches)
+            self.inverse.append(inverse)
+        self.catch_up = [controller._catch_up_s(r) for r in requests]
+        # A draft model's step, where pruning applies (adaptive, unbatched, a measured step)
+        self.step = [draft_costs.marginal_step(r.mode) if r.adaptive and r.mode not in draft_costs.batched else 0.0
+                     for r in requests]
+        self.verify = controller.verify_costs.round_prices(len(requests))  # rows -> seconds
+        self.modes = list(dict.fromkeys(r.mode for r in requests))
+        self.mode_of = [self.modes.index(r.mode) for r in requests]
+        self.draft = [draft_costs.prices(mode) for mode in self.modes]  # (n, steps, tokens) -> seconds
+
+    def under_caps(self, caps: dict[str, int]) -> tuple[list[int], float]:
+        """Each sequence's k under its mode's cap, and the plan's worth."""
+        ks = [min(r.k_max, caps.get(r.mode, r.k_max)) if r.adaptive else r.k_max for r in self.requests]
+        rate = self.rate(ks)
+        # A batched verify pads every sequence to the call's longest, so below the longest a
+        # draft costs no target row; what it can still cost is a draft model's step. Drop
+        # the trailing drafts whose expected tokens do not pay for that at the batch's rate.
+        # A draft model that sat out rounds (or never saw the sequence) first feeds what it
+        # missed: its first draft also pays for that catch-up (spread over the rounds left).
+        pruned = False
+        for i, step in enumerate(self.step):
+            if step == 0.0:
+                continue
+            keep, reaches = 0, self.reach[i]
+            for j in range(ks[i]):
+                if reaches[j] < rate * (step + (self.catch_up[i] if j == 0 else 0.0)):
+                    break
+                keep = j + 1
+            if keep < ks[i]:
+                ks[i], pruned = keep, True
+        return ks, self.rate(ks) if pruned else rate
+
+    def rate(self, ks: list[int]) -> float:
+        """A plan's worth as tokens per second: the batch's size over its mean expected
+        time per token (sum_s E_s / T when every sequence commits alike)."""
+        inverse, catch_up, widest = 0.0, 0.0, 0  # catch_up: seconds of draft models catching up first
+        counts = [0] * len(self.modes)  # per mode: drafting sequences, their longest k, their drafts
+        longest, drafts = counts[:], counts[:]
+        for i, k in enumerate(ks):
+            inverse += self.inverse[i][k]
+            if k > 0:
+                m = self.mode_of[i]
+                counts[m] += 1
+                drafts[m] += k
+                if k > longest[m]:
+                    longest[m] = k
+                catch_up += self.catch_up[i]
+                if k > widest:
+                    widest = k
+        n = len(ks)
+        seconds = self.verify(n * (widest + 1)) + catch_up  # padded to the longest
+        for m, count in enumerate(counts):
+            if count:
+                seconds += self.draft[m](count, longest[m], drafts[m])
+        expected = n ** 2 / inverse if inverse else 0.0
+        return expected / seconds if seconds > 0 else float("inf")
