@@ -2,21 +2,30 @@
 streams, in-process, in one run.
 
     .venv/bin/python bench/adaptive.py [--concurrency 1 4 16 32] [--modes ...] [--new-tokens 48]
-                                       [--requests 8] [--repeats 5] [--threads 2]
+                                       [--requests 8] [--repeats 7] [--threads 2]
 
-Each cell is ``concurrency`` threads calling ``Engine.generate`` at once, each for a few
-held-out prompts (greedy, EOS ignored; at least ``--requests`` per cell), timed from the
-first submission to the last result (after a warm-up request; onnxruntime's first-call
-cost is not included). Cells of one concurrency run interleaved -- target-only, then
-each mode fixed and adaptive in a shuffled order -- and the whole sweep repeats
-``--repeats`` times; the table shows each cell's median tokens/s and every speculative
-cell as a multiple of target-only. It checks that every greedy output equals target-only's, and marks where
-adaptive falls below max(target-only, fixed k) by more than 3 % (the never-slower
-promise). That check takes, per repeat, adaptive's speed over the better of target-only
-and fixed k *measured in the same sweep* (cells seconds apart), and then the median over
-repeats: this VM's speed drifts by ±10 % over tens of seconds (the same target-only cell
-run six times in a row: 994 to 1103 tokens/s), which a ratio of cells minutes apart
-would mistake for a difference between them.
+Each cell is ``concurrency`` threads calling ``Engine.generate`` at once, for a few
+held-out prompts (greedy, EOS ignored; at least ``--requests`` per cell), after a
+warm-up (onnxruntime's first-call cost is not included): a request in every column, then
+an untimed wave of every column at each concurrency, so that the adaptive controller has
+learnt what calls cost at that load, as in a server that has been running (its first
+calls at a new batch size price from the start-up table: in a run without this,
+shared_kv's first three sweeps at 16 streams were 0.89-0.94 and its later four
+0.97-0.99). A cell runs as waves: in a wave every thread makes one request, timed from
+the first submission to the last result, and a cell's tokens/s is its tokens over its
+waves' time. Cells run interleaved at the finest grain the promise needs: wave by wave,
+and within a wave each mode's three cells -- target-only, fixed k and adaptive -- back
+to back in a shuffled order (modes in a shuffled order too), and the whole sweep repeats
+``--repeats`` times. So target-only runs once per mode in a wave (its column is the
+median of all its runs). The table shows each cell's median tokens/s and every
+speculative cell as a multiple of target-only. It checks that every greedy output equals
+target-only's, and marks where adaptive falls below max(target-only, fixed k) by more
+than 3 % (the never-slower promise). That check takes, per repeat, adaptive's speed over
+the better of its mode's target-only and fixed-k cells *of the same sweep*, whose waves
+ran side by side, and then the median over repeats: this VM's speed drifts by ±10 % over
+tens of seconds (the same target-only cell run six times in a row: 994 to 1103
+tokens/s), which a ratio of cells even seconds apart would mistake for a difference
+between them.
 """
 from __future__ import annotations
 
@@ -37,30 +46,27 @@ from engine import Engine, EngineConfig, GenerationOptions  # noqa: E402
 MODES = ["prompt_lookup", "draft_model", "mtp", "eagle3", "shared_kv"]
 
 
-def run_cell(engine: Engine, prompts: list[str], concurrency: int, per_stream: int,
-             options: GenerationOptions) -> tuple[float, dict[int, list[int]], list[int]]:
-    """(tokens/s, prompt index -> tokens, drafts proposed per request)"""
+def run_wave(engine: Engine, prompts: list[str], indices: list[int], options: GenerationOptions
+             ) -> tuple[float, dict[int, list[int]], list[int]]:
+    """One request per prompt index, all at once, one thread each: (seconds from the
+    first submission to the last result, prompt index -> tokens, drafts per request)."""
     outputs: dict[int, list[int]] = {}
     drafts: list[int] = []
     lock = threading.Lock()
 
-    def stream(s: int) -> None:
-        for j in range(per_stream):
-            index = (s * per_stream + j) % len(prompts)
-            result = engine.generate(prompts[index], options)
-            with lock:
-                outputs[index] = result.token_ids
-                drafts.append(result.speculative.proposed_tokens)
+    def request(index: int) -> None:
+        result = engine.generate(prompts[index], options)
+        with lock:
+            outputs[index] = result.token_ids
+            drafts.append(result.speculative.proposed_tokens)
 
-    threads = [threading.Thread(target=stream, args=(s,)) for s in range(concurrency)]
+    threads = [threading.Thread(target=request, args=(index,)) for index in indices]
     started = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    seconds = time.perf_counter() - started
-    tokens = concurrency * per_stream * options.max_new_tokens
-    return tokens / seconds, outputs, drafts
+    return time.perf_counter() - started, outputs, drafts
 
 
 def main() -> None:
@@ -72,7 +78,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8,
                         help="requests per cell at least (so a cell at 1 stream is not over in a blink)")
     parser.add_argument("--requests-per-stream", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu")
@@ -88,36 +94,58 @@ def main() -> None:
                                                                "adaptive_speculation": True})
     for options in columns.values():  # warm-up: sessions, the draft pool, the controller's acceptance
         engine.generate(prompts[0], options)
-    rates = {(c, name): [] for c in args.concurrency for name in columns}
-    drafted = {(c, name): [] for c in args.concurrency for name in columns}
-    mismatches = []
+    for concurrency in args.concurrency:  # ... and what calls cost at each load (untimed)
+        for options in columns.values():
+            run_wave(engine, prompts, [s % len(prompts) for s in range(concurrency)], options)
+    print("warm-up done", file=sys.stderr, flush=True)
+    names = list(columns)
+    fixed_of, adaptive_of = {m: f"{m} k={args.k}" for m in args.modes}, {m: f"{m} adaptive" for m in args.modes}
+    seconds = {(c, name, m, r): 0.0 for c in args.concurrency for m in args.modes for r in range(args.repeats)
+               for name in ("none", fixed_of[m], adaptive_of[m])}
+    drafted = {(c, name): [] for c in args.concurrency for name in names}
+    produced: dict[tuple[int, str, int], set[tuple[int, ...]]] = {}  # (streams, column, prompt) -> outputs
     order = random.Random(0)
     for repeat in range(args.repeats):
         for concurrency in args.concurrency:
-            reference = None
-            names = list(columns)[1:]
-            order.shuffle(names)  # a fresh order each time: no column always runs right after another
-            for name in ["none", *names]:
-                options = columns[name]
-                per_stream = max(args.requests_per_stream, -(-args.requests // concurrency))
-                rate, outputs, drafts = run_cell(engine, prompts, concurrency, per_stream, options)
-                rates[(concurrency, name)].append(rate)
-                drafted[(concurrency, name)].extend(drafts)
-                if name == "none":
-                    reference = outputs
-                elif any(outputs[i] != reference.get(i, outputs[i]) for i in outputs):
-                    mismatches.append((concurrency, name))
+            per_stream = max(args.requests_per_stream, -(-args.requests // concurrency))
+            for wave in range(per_stream):
+                indices = [(s * per_stream + wave) % len(prompts) for s in range(concurrency)]
+                modes = list(args.modes)
+                order.shuffle(modes)  # a fresh order each time: no cell always runs right after another
+                for mode in modes:
+                    triple = ["none", fixed_of[mode], adaptive_of[mode]]
+                    order.shuffle(triple)
+                    for name in triple:
+                        took, outputs, drafts = run_wave(engine, prompts, indices, columns[name])
+                        seconds[(concurrency, name, mode, repeat)] += took
+                        drafted[(concurrency, name)].extend(drafts)
+                        for i, tokens in outputs.items():
+                            produced.setdefault((concurrency, name, i), set()).add(tuple(tokens))
             print(f"repeat {repeat + 1}/{args.repeats}, {concurrency} streams done", file=sys.stderr, flush=True)
     engine.close()
+    reference: dict[int, set[tuple[int, ...]]] = {}  # prompt -> target-only's outputs (one, if all agree)
+    for (_, name, i), outputs in produced.items():
+        if name == "none":
+            reference.setdefault(i, set()).update(outputs)
+    mismatches = sorted({(c, name) for (c, name, i), outputs in produced.items()
+                         if len(reference[i]) != 1 or outputs != reference[i]})
 
+    def tokens(c: int) -> int:
+        return c * max(args.requests_per_stream, -(-args.requests // c)) * args.new_tokens
+
+    # tokens/s per (concurrency, column, mode whose triple it ran in, repeat)
+    rate = {key: tokens(key[0]) / took for key, took in seconds.items()}
+    rates = {(c, name): [rate[(c, name, m, r)] for m in args.modes for r in range(args.repeats)
+                         if (c, name, m, r) in rate] for c in args.concurrency for name in names}
     median = {key: statistics.median(v) for key, v in rates.items()}
-    # Per repeat: adaptive over max(target-only, fixed) of the same sweep; then the median.
-    paired = {(c, m): statistics.median(
-        a / max(n, f) for a, n, f in zip(rates[(c, f"{m} adaptive")], rates[(c, "none")], rates[(c, f"{m} k={args.k}")]))
-        for c in args.concurrency for m in args.modes}
+    # Per repeat: adaptive over max(target-only, fixed) of its mode's triples; then the median.
+    per_sweep = {(c, m): [rate[(c, adaptive_of[m], m, r)] / max(rate[(c, "none", m, r)], rate[(c, fixed_of[m], m, r)])
+                          for r in range(args.repeats)] for c in args.concurrency for m in args.modes}
+    paired = {key: statistics.median(ratios) for key, ratios in per_sweep.items()}
     print(f"{args.new_tokens} tokens per request, greedy, >= {args.requests} requests and >= "
           f"{args.requests_per_stream} per stream in a cell, "
-          f"{args.threads} threads, median of {args.repeats} interleaved runs; tokens/s (x target-only)")
+          f"{args.threads} threads, median of {args.repeats} sweeps interleaved wave by wave; "
+          f"tokens/s (x target-only)")
     header = f"{'streams':>7s} {'none':>8s}" + "".join(f" {m + ' k=' + str(args.k):>22s} {m + ' adapt':>22s}"
                                                        for m in args.modes)
     print(header)
@@ -135,9 +163,12 @@ def main() -> None:
     print("adaptive / max(target-only, fixed) per sweep, median over sweeps: " + "; ".join(
         f"{c} streams " + " ".join(f"{m} {paired[(c, m)]:.2f}" for m in args.modes) for c in args.concurrency))
     for c in args.concurrency:
-        mean_drafts = {m: statistics.mean(drafted[(c, f"{m} adaptive")]) / args.new_tokens for m in args.modes}
-        print(f"drafts per generated token, adaptive, {c} streams: " +
-              ", ".join(f"{m} {v:.2f}" for m, v in mean_drafts.items()))
+        print(f"  per sweep, {c} streams: " + "; ".join(
+            f"{m} " + " ".join(f"{x:.2f}" for x in per_sweep[(c, m)]) for m in args.modes))
+    for c in args.concurrency:
+        print(f"drafts per generated token at {c} streams, adaptive (fixed k={args.k}): " + ", ".join(
+            f"{m} {statistics.mean(drafted[(c, adaptive_of[m])]) / args.new_tokens:.2f} "
+            f"({statistics.mean(drafted[(c, fixed_of[m])]) / args.new_tokens:.2f})" for m in args.modes))
     print("greedy outputs identical to target-only: " + ("yes" if not mismatches else f"NO {mismatches}"))
     print("adaptive >= max(target-only, fixed) - 3 % everywhere: " + ("yes" if not broken else f"NO at {broken}"))
 
