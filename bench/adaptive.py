@@ -20,12 +20,16 @@ to back in a shuffled order (modes in a shuffled order too), and the whole sweep
 median of all its runs). The table shows each cell's median tokens/s and every
 speculative cell as a multiple of target-only. It checks that every greedy output equals
 target-only's, and marks where adaptive falls below max(target-only, fixed k) by more
-than 3 % (the never-slower promise). That check takes, per repeat, adaptive's speed over
-the better of its mode's target-only and fixed-k cells *of the same sweep*, whose waves
-ran side by side, and then the median over repeats: this VM's speed drifts by ±10 % over
-tens of seconds (the same target-only cell run six times in a row: 994 to 1103
-tokens/s), which a ratio of cells even seconds apart would mistake for a difference
-between them.
+than 3 % (the never-slower promise). That check takes, per sweep, adaptive's and fixed
+k's speeds over target-only's *in the same sweep*, whose waves ran side by side (this
+VM's speed drifts by ±10 % over tens of seconds: the same target-only cell run six times
+in a row did 994 to 1103 tokens/s, which a ratio of cells even seconds apart would
+mistake for a difference between them); then each ratio's median over sweeps; then
+adaptive's over the better of target-only's (1) and fixed k's. The maximum is taken
+last: the better of two noisy figures is on average above the better of the two speeds,
+by up to half their spread when the two are level, so taking each sweep's own maximum
+(the earlier form, still printed) read a mode at its break-even short (in one run
+shared_kv at one stream, fixed k 1.01x target-only: 0.988 that way, 0.995 this way).
 """
 from __future__ import annotations
 
@@ -138,10 +142,15 @@ def main() -> None:
     rates = {(c, name): [rate[(c, name, m, r)] for m in args.modes for r in range(args.repeats)
                          if (c, name, m, r) in rate] for c in args.concurrency for name in names}
     median = {key: statistics.median(v) for key, v in rates.items()}
-    # Per repeat: adaptive over max(target-only, fixed) of its mode's triples; then the median.
+    # Per sweep, adaptive and fixed k over the target-only cells of the same triples (drift
+    # cancels); the medians over sweeps; then adaptive over the better of the two medians.
+    over_none = {(c, name, m): [rate[(c, name, m, r)] / rate[(c, "none", m, r)] for r in range(args.repeats)]
+                 for c in args.concurrency for m in args.modes for name in (fixed_of[m], adaptive_of[m])}
+    paired = {(c, m): statistics.median(over_none[(c, adaptive_of[m], m)])
+              / max(1.0, statistics.median(over_none[(c, fixed_of[m], m)])) for c in args.concurrency for m in args.modes}
+    # The earlier form, for comparison: per sweep over the better of that sweep's two cells.
     per_sweep = {(c, m): [rate[(c, adaptive_of[m], m, r)] / max(rate[(c, "none", m, r)], rate[(c, fixed_of[m], m, r)])
                           for r in range(args.repeats)] for c in args.concurrency for m in args.modes}
-    paired = {key: statistics.median(ratios) for key, ratios in per_sweep.items()}
     print(f"{args.new_tokens} tokens per request, greedy, >= {args.requests} requests and >= "
           f"{args.requests_per_stream} per stream in a cell, "
           f"{args.threads} threads, median of {args.repeats} sweeps interleaved wave by wave; "
@@ -160,11 +169,15 @@ def main() -> None:
                 broken.append((c, mode))
             row += f" {fixed:13.1f} ({fixed / none:4.2f}x) {adaptive:13.1f} ({adaptive / none:4.2f}x){flag}"
         print(row)
-    print("adaptive / max(target-only, fixed) per sweep, median over sweeps: " + "; ".join(
-        f"{c} streams " + " ".join(f"{m} {paired[(c, m)]:.2f}" for m in args.modes) for c in args.concurrency))
+    print("adaptive / max(target-only, fixed), each over target-only per sweep, medians over sweeps: " + "; ".join(
+        f"{c} streams " + " ".join(f"{m} {paired[(c, m)]:.3f}" for m in args.modes) for c in args.concurrency))
+    print("  the earlier form, adaptive / max(target-only, fixed) of each sweep, its median: " + "; ".join(
+        f"{c} streams " + " ".join(f"{m} {statistics.median(per_sweep[(c, m)]):.3f}" for m in args.modes)
+        for c in args.concurrency))
     for c in args.concurrency:
-        print(f"  per sweep, {c} streams: " + "; ".join(
-            f"{m} " + " ".join(f"{x:.2f}" for x in per_sweep[(c, m)]) for m in args.modes))
+        print(f"  per sweep, {c} streams, adaptive / fixed over target-only: " + "; ".join(
+            f"{m} " + " ".join(f"{a:.2f}/{f:.2f}" for a, f in zip(over_none[(c, adaptive_of[m], m)],
+                                                                over_none[(c, fixed_of[m], m)])) for m in args.modes))
     for c in args.concurrency:
         print(f"drafts per generated token at {c} streams, adaptive (fixed k={args.k}): " + ", ".join(
             f"{m} {statistics.mean(drafted[(c, adaptive_of[m])]) / args.new_tokens:.2f} "
