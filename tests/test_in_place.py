@@ -93,6 +93,28 @@ def test_in_place_calls_match_the_standard_graph_through_rewinds_batches_and_gro
     assert in_place.buffers_made == 1 + 2 + grew
 
 
+def test_a_slice_of_an_in_place_sequence_is_a_read_only_view_the_later_rounds_leave_alone():
+    """What a shared-KV head reads of a sequence on the twin is a view of its buffer, not
+    a copy (the head copies it into its padded batch anyway): read only, and the rounds
+    after it -- drafts written past its end and rewound -- never change it."""
+    decoder = CachedDecoder(TARGET_DIR, CPU_CONFIG)
+    rng = random.Random(5)
+    vocab, layer, length = decoder.decoder.vocab_size, 3, 20
+    decoder.cache.add_sequence("a")
+    decoder.feed_batch([FeedRequest("a", [rng.randrange(vocab) for _ in range(length)], 0)])
+    key, value = decoder.cache.slice("a", layer)
+    assert np.shares_memory(key, decoder.cache.kept_session("a").buffer.keys[layer])
+    assert not key.flags.writeable and not value.flags.writeable
+    taken = key.copy(), value.copy()
+    for _ in range(6):
+        decoder.feed_batch([FeedRequest("a", [rng.randrange(vocab) for _ in range(5)], length)])
+        length += 2
+        decoder.cache.rewind("a", length)
+    np.testing.assert_array_equal(key, taken[0])
+    np.testing.assert_array_equal(value, taken[1])
+    assert decoder.cache.slice("a", layer)[0].shape[2] == length
+
+
 @pytest.mark.parametrize("mode", ["none", "eagle3", "draft_model"])
 def test_engine_output_is_the_same_with_and_without_the_twin(mode, heldout_prompts):
     options = GenerationOptions(max_new_tokens=40, ignore_eos=True, speculative_mode=mode, logprobs=True)

@@ -571,10 +571,23 @@ class PagedKVCache:
         return SessionPast([k for k, _ in layers], [v for _, v in layers], np.ones(self.length(seq_id), np.bool_))
 
     def slice(self, seq_id: Hashable, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """One layer's dense ``(key, value)``, each ``[1, kv_heads_l, length, head_dim_l]``."""
+        """One layer's dense ``(key, value)``, each ``[1, kv_heads_l, length, head_dim_l]``.
+
+        Read only. From an in-place buffer (``engine.model.in_place``) they are views of
+        its live prefix, not copies: later calls write only from the sequence's length on
+        (a rewind shortens it; committed tokens' KV never changes), so the views keep
+        showing this KV, and their one reader, the shared-KV head, copies them into its
+        padded batch anyway. Copying them here too cost ~85 us a round at one stream."""
         s = self._get(seq_id)
         if not 0 <= layer < len(self.layers):
             raise IndexError(f"layer {layer} out of range: the cache has {len(self.layers)} layers")
+        if s.session is not None and s.session.buffer is not None:
+            live = s.session.slots - s.session.dead  # a buffer's live slots are a prefix
+            buffer = s.session.buffer
+            views = buffer.keys[layer][:, :, :live], buffer.values[layer][:, :, :live]  # type: ignore[attr-defined]
+            for view in views:
+                view.flags.writeable = False  # a reader writing into it would write the KV
+            return views
         if s.session is not None:
             # The session copy holds every retained token (pending ones too): copying one
             # layer's live slots out of it beats writing all layers' pending tokens to the
