@@ -163,7 +163,7 @@ def main() -> None:
         none = median[(c, "none")]
         row = f"{c:7d} {none:8.1f}"
         for mode in args.modes:
-            fixed, adaptive = median[(c, f"{mode} k={args.k}")], median[(c, f"{mode} adaptive")]
+            fixed, adaptive = median[(c, fixed_of[mode])], median[(c, adaptive_of[mode])]
             flag = "" if paired[(c, mode)] >= 0.97 else " !"
             if flag:
                 broken.append((c, mode))

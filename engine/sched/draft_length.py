@@ -137,7 +137,7 @@ class DraftLengthController:
         self.plain_steps = plain_steps  # plain rounds a target call may run back to back
         self.last_steps = 1             # ... and how many the last plan chose (1 unless it drafts nothing)
         self.replan_rounds = replan_rounds  # rounds a plan holds while its call stays the same
-        self.plans = 0                  # plans computed (not held): tests and benches read it
+        self.plans = 0                  # plans computed (not held), for tests
         self._held: dict[tuple, tuple[list[int], int, int]] = {}  # call -> (its plan's ks, steps, rounds held)
         self._idle_plans: dict[str, int] = {}
         self._follow_ups: dict[str, object] = {}  # mode -> the sequence it explored with last plan
@@ -151,7 +151,7 @@ class DraftLengthController:
         weighs (live acceptance, measured costs) moves little from one round to the next,
         and computing it every round was a tax of 1.5-2 % on a one-stream round
         in-process (~70 us of a ~5 ms round), where adaptive drafts what a pinned k does.
-        Held for 4 rounds, 0.4-0.9 % (same process, alternating requests). A call of
+        Held for 4 rounds, 0.4-1.1 % (same process, alternating requests). A call of
         several plain rounds counts as that many rounds, and any change in the call --
         a sequence joins or leaves, a maximum shrinks near a request's end, a prompt
         lookup finds a different number of drafts -- plans afresh. Exploring still
