@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,10 @@ from engine.errors import ModelLoadError
 from engine.kv.paged_cache import LayerGeometry
 from engine.model.probe import probe_session
 from engine.model.providers import Device, create_session, session_options
+
+log = logging.getLogger("specserve.engine")
+INT8_FILE = "model.int8.onnx"  # a head's int8 twin, beside model.onnx (``modelbuild.int8_graph``)
+_logged_graphs: set[tuple[str, str]] = set()
 
 
 class TokenEmbedder:
@@ -79,6 +84,7 @@ class HeadModel:
     kind: str
     directory: Path
     config: dict
+    graph: Path  # the graph file the session runs: model.onnx, or its int8 twin
     session: object
     embedder: TokenEmbedder
     lm_head: LinearLmHead | None
@@ -112,8 +118,9 @@ _REQUIRED_INPUTS = {
 
 
 def load_head(kind: str, head_dir: str | Path, target_vocab: int, target_hidden: int, device: Device = "auto",
-              intra_op_threads: int | None = None) -> HeadModel:
-    """Load a head and check it against the target it will serve (hidden size, vocab)."""
+              intra_op_threads: int | None = None, int8: bool = True) -> HeadModel:
+    """Load a head and check it against the target it will serve (hidden size, vocab).
+    ``int8``: on CPU, run the head's int8 twin (``INT8_FILE``) where the directory has one."""
     head_dir = Path(head_dir)
     config_path, onnx_path = head_dir / "config.json", head_dir / "model.onnx"
     for path in (config_path, onnx_path):
@@ -122,7 +129,8 @@ def load_head(kind: str, head_dir: str | Path, target_vocab: int, target_hidden:
     config = json.loads(config_path.read_text())
     if config.get("head_type") != kind:
         raise ModelLoadError(f"{config_path} describes a '{config.get('head_type')}' head, not '{kind}'")
-    session = create_session(str(onnx_path), device, session_options(intra_op_threads))
+    session, graph = _head_session(head_dir, onnx_path, device, session_options(intra_op_threads), int8)
+    _log_graph(kind, graph)
     inputs = {i.name for i in session.get_inputs()}
     missing = _REQUIRED_INPUTS[kind] - inputs
     if missing:
@@ -144,12 +152,35 @@ def load_head(kind: str, head_dir: str | Path, target_vocab: int, target_hidden:
         mapped = np.arange(len(d2t)) + d2t
         if mapped.min() < 0 or mapped.max() >= target_vocab:
             raise ModelLoadError(f"{head_dir}/{config['d2t']} maps draft ids outside the target vocabulary")
-    head = HeadModel(kind, head_dir, config, session, embedder, lm_head, d2t)
+    head = HeadModel(kind, head_dir, config, graph, session, embedder, lm_head, d2t)
     hidden_input = "hidden_states" if kind == "mtp" else ("recycled_hidden" if kind == "eagle3" else None)
     if hidden_input and head.input_shape(hidden_input)[-1] != target_hidden:
         raise ModelLoadError(f"{onnx_path}: {kind} head hidden size {head.input_shape(hidden_input)[-1]} does not "
                              f"match the target's {target_hidden}")
     return head
+
+
+def _head_session(head_dir: Path, onnx_path: Path, device: Device, options: ort.SessionOptions,
+                  int8: bool) -> tuple[ort.InferenceSession, Path]:
+    """The head's session and the graph it runs. The int8 twin is a CPU measure (a head's
+    step there is the time to read its weights, and a draft only has to be a good guess:
+    the target verifies it); where CUDA loads, the float graph runs."""
+    twin = head_dir / INT8_FILE
+    if int8 and twin.is_file():
+        try:
+            session = create_session(str(twin), device, options)
+        except Exception as error:  # a damaged twin, or an onnxruntime without its kernels
+            log.warning("%s: not used (%s); the head runs %s", twin, error, onnx_path.name)
+        else:
+            if "CUDAExecutionProvider" not in session.get_providers():
+                return session, twin
+    return create_session(str(onnx_path), device, options), onnx_path
+
+
+def _log_graph(kind: str, graph: Path) -> None:
+    if (kind, graph.name) not in _logged_graphs:
+        _logged_graphs.add((kind, graph.name))
+        log.info("%s head runs %s", kind, graph.name)
 
 
 def _load_array(path: Path) -> np.ndarray:

@@ -107,7 +107,7 @@ class ProposerKind:
             draft = _load_draft(bundle, config, target_vocab)
             return LoadedProposer(self.mode, lambda: DraftModelProposer(draft), draft)
         head = load_head(self.mode, bundle.head_dir(self.mode), target_vocab, bundle.target_hidden_size,
-                         config.device, config.proposer_threads)
+                         config.device, config.proposer_threads, config.int8_heads)
         make = {"mtp": MtpProposer, "eagle3": Eagle3Proposer, "shared_kv": SharedKvProposer}[self.mode]
         return LoadedProposer(self.mode, lambda: make(head), head)
 
