@@ -85,7 +85,7 @@ def _int8_product(node: onnx.NodeProto, k: int, n: int, prefix: str) -> list[onn
     p, make = prefix, helper.make_node
     shape = numpy_helper.from_array(np.array([n, k // BLOCK, BLOCK], np.int64), p + "blocks_shape")
     flat = numpy_helper.from_array(np.array([n * (k // BLOCK)], np.int64), p + "scales_shape")
-    nodes = [
+    return [
         make("Constant", [], [p + "blocks_shape"], value=shape),
         make("Constant", [], [p + "scales_shape"], value=flat),
         make("Transpose", [w], [p + "w_by_column"], perm=[1, 0]),
@@ -104,7 +104,6 @@ def _int8_product(node: onnx.NodeProto, k: int, n: int, prefix: str) -> list[onn
         make("MatMulNBits", [a, p + "w_uint8", p + "scales"], list(node.output), name=node.name + "/int8",
              domain=MS, K=k, N=n, bits=8, block_size=BLOCK, accuracy_level=4),
     ]
-    return nodes
 
 
 def build_int8_graph(source: Path, out: Path) -> int:
