@@ -15,7 +15,7 @@ from engine.sched.costs import (MIN_KIND_CALLS, DraftCostModel, DraftCostTable, 
                                  verify_groups)
 from engine.sched.draft_length import (EXPLORE_BATCH, AcceptanceTracker, DraftLengthController, DraftRequest,
                                       explore_wait)
-from engine.spec.proposers.registry import BATCHED_MODES
+from engine.spec.proposers.registry import RESTARTING_MODES
 
 from .conftest import CPU_CONFIG, MODELS, generate_concurrently
 
@@ -35,7 +35,7 @@ DRAFT_MODEL = DraftCostTable({(1, 1): 0.0003, (1, 4): 0.0012, (4, 1): 0.0012, (4
 def controller(acceptance: dict[str, float], heads=HEAD, draft=DRAFT_MODEL,
                table: VerifyCostTable = CPU_LIKE) -> DraftLengthController:
     """A controller whose modes have already seen many rounds at the given acceptance."""
-    costs = DraftCostModel(BATCHED_MODES)
+    costs = DraftCostModel(RESTARTING_MODES)
     for mode in ("mtp", "eagle3", "shared_kv"):
         costs.add(mode, heads)
     costs.add("draft_model", draft)
@@ -217,7 +217,7 @@ def test_a_mode_that_stopped_short_of_its_maximum_tries_one_position_deeper_now_
     tracker = AcceptanceTracker()
     tracker.record("s", "draft_model", 2, 1)  # position 1 accepted, position 2 rejected: once
     slow_steps = DraftCostTable({(1, 1): 0.0003, (1, 4): 0.0060, (4, 1): 0.0012, (4, 4): 0.0240})
-    costs = DraftCostModel(BATCHED_MODES)
+    costs = DraftCostModel(RESTARTING_MODES)
     costs.add("draft_model", slow_steps)
     loaded = DraftLengthController(VerifyCostModel(CPU_LIKE), costs, tracker)
     plans = [loaded.plan([DraftRequest("s", "draft_model", 4, True)]) for _ in range(alone)]
@@ -281,7 +281,7 @@ def test_one_slow_first_proposer_call_does_not_price_drafting_out():
     calls that would correct it: a first call 4 ms slow (a new shape's allocation
     planning) learnt whole once kept one-stream drafting off for whole requests. It is
     learnt from the table up; an overhead every call pays is still learnt."""
-    costs = DraftCostModel(BATCHED_MODES)
+    costs = DraftCostModel(RESTARTING_MODES)
     costs.add("eagle3", HEAD)
     ordinary = costs.predict("eagle3", 1, 4, 4)
     costs.observe("eagle3", 1, 4, 4, ordinary + 0.004)

@@ -16,6 +16,7 @@ from engine.errors import InvalidRequestError, ModelLoadError
 from engine.kv.block_ledger import AdmissionError
 from engine.model.cached_decoder import FeedRequest
 from engine.sched.sequence_driver import WINDOW_REFUSAL, DriverFactory
+from engine.spec.proposers.draft_model import DraftModelProposer
 from engine.spec.proposers.eagle3 import Eagle3Proposer
 from engine.spec.proposers.mtp import MtpProposer
 from engine.spec.proposers.shared_kv import SharedKvProposer
@@ -59,13 +60,14 @@ def test_a_padded_batch_gives_each_sequence_its_own_logits_and_kv(bundle_engine,
 
 def test_concurrent_requests_are_batched_and_each_matches_its_solo_run(heldout_prompts, monkeypatch, make_engine):
     """Twelve requests, two of every mode: the target verifies them in shared passes, each
-    head drafts for its sequences in one run, and each output equals its solo run."""
+    head and the draft model draft for their sequences in one run per step, and each
+    output equals its solo run."""
     engine = make_engine(MODELS, CPU_CONFIG)
     jobs = [(heldout_prompts[i], GenerationOptions(max_new_tokens=16 + 4 * i, ignore_eos=True,
                                                    speculative_mode=MIXED[i % len(MIXED)]))
             for i in range(12)]
     solo = [engine.generate(p, o).token_ids for p, o in jobs]
-    target_batches, head_batches = [], {"mtp": [], "eagle3": [], "shared_kv": []}
+    target_batches, head_batches = [], {"draft_model": [], "mtp": [], "eagle3": [], "shared_kv": []}
     original = engine.target.feed_batch
 
     def spy(requests):
@@ -73,10 +75,10 @@ def test_concurrent_requests_are_batched_and_each_matches_its_solo_run(heldout_p
         return original(requests)
 
     monkeypatch.setattr(engine.target, "feed_batch", spy)
-    for kind in (MtpProposer, Eagle3Proposer, SharedKvProposer):
-        def batch_spy(self, contexts, _real=kind.propose_batch):
+    for kind in (DraftModelProposer, MtpProposer, Eagle3Proposer, SharedKvProposer):
+        def batch_spy(self, contexts, owners=None, _real=kind.propose_batch):
             head_batches[self.name].append(len(contexts))
-            return _real(self, contexts)
+            return _real(self, contexts, owners)
         monkeypatch.setattr(kind, "propose_batch", batch_spy)
     rounds_before = engine.coordinator.timings.rounds
     results = generate_concurrently(engine, jobs)

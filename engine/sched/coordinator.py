@@ -32,7 +32,7 @@ from engine.sched.metrics import RoundMetrics
 from engine.sched.proposer_worker import ProposeItem, ProposeResult
 from engine.sched.sequence_driver import SequenceDriver
 from engine.sched.target_worker import PrefillItem, TargetResult, VerifyItem
-from engine.spec.proposers.registry import BATCHED_MODES
+from engine.spec.proposers.registry import RESTARTING_MODES
 
 log = logging.getLogger("specserve.coordinator")
 
@@ -301,7 +301,7 @@ class RoundCoordinator:
         adaptive = [run for run in decoding if run.driver.adaptive]
         if adaptive and self.draft_lengths is None:
             self.draft_lengths = DraftLengthController(VerifyCostModel(await self.transport.verify_costs()),
-                                                       DraftCostModel(BATCHED_MODES),
+                                                       DraftCostModel(RESTARTING_MODES),
                                                        plain_steps=self.config.plain_steps,
                                                        replan_rounds=self.config.replan_rounds)
         for mode in {run.driver.mode for run in adaptive if run.driver.remote_proposer} - self._costed_modes:

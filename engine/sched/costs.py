@@ -309,15 +309,15 @@ class DraftCostTable:
 
 
 class DraftCostModel:
-    """Predicted seconds of a proposer call for a plan: a batched head runs ``steps``
-    (the longest k) steps over all ``n`` drafting sequences; a draft model runs each
-    sequence's own k steps (``draft_tokens`` in all). The measured table per mode, plus
+    """Predicted seconds of a proposer call for a plan: a head (``restarting``) runs
+    ``steps`` (the longest k) steps over all ``n`` drafting sequences; a draft model
+    steps each sequence to its own k, the ones done dropping out (``draft_tokens`` in all). The measured table per mode, plus
     the per-call overhead observed online (hops, load). A mode without a table costs
     nothing until measured, so it gets tried."""
 
-    def __init__(self, batched: frozenset[str], smoothing: float = 0.1) -> None:
+    def __init__(self, restarting: frozenset[str], smoothing: float = 0.1) -> None:
         self.coefficients: dict[str, tuple[float, float, float, float]] = {}
-        self.batched, self.smoothing = batched, smoothing
+        self.restarting, self.smoothing = restarting, smoothing
         self.overhead: dict[tuple[str, int], float] = {}  # (mode, batch-size bucket) -> learnt residual
 
     def add(self, mode: str, table: DraftCostTable) -> None:
@@ -329,7 +329,7 @@ class DraftCostModel:
 
     def _table(self, mode: str, n: int, steps: int, draft_tokens: int) -> float:
         per_call, per_seq, per_step, per_seq_step = self.coefficients[mode]
-        work = n * steps if mode in self.batched else draft_tokens
+        work = n * steps if mode in self.restarting else draft_tokens
         return per_call + n * per_seq + steps * per_step + work * per_seq_step
 
     def predict(self, mode: str, n: int, steps: int, draft_tokens: int) -> float:
@@ -387,7 +387,7 @@ def measure_draft_costs(new_proposer, anchor, vocab: int, batch: int = 8, repeat
                         proposer.rewind(prefix)
                     started = time.perf_counter()
                     if proposers[0].batchable:
-                        proposers[0].propose_batch(contexts)
+                        proposers[0].propose_batch(contexts, proposers[:n])
                     else:
                         for proposer, context in zip(proposers[:n], contexts):
                             proposer.propose(context)

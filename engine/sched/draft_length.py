@@ -227,8 +227,8 @@ class DraftLengthController:
 
     def _catch_up_s(self, r: DraftRequest) -> float:
         """Seconds a draft model's catch-up adds to this round if the sequence drafts (a
-        batched head restarts every pass: it has none)."""
-        if not r.catch_up or r.mode in self.draft_costs.batched:
+        head restarts every pass: it has none)."""
+        if not r.catch_up or r.mode in self.draft_costs.restarting:
             return 0.0
         return CATCH_UP_STEPS * r.catch_up * self.draft_costs.marginal_step(r.mode)
 
@@ -248,7 +248,7 @@ class DraftLengthController:
         for mode, members in waiting.items():
             explored = self._follow_ups.pop(mode, None)
             again = next((i for i in members if requests[i].seq_id == explored), None)
-            if again is not None and ks[again] == 0 and mode not in self.draft_costs.batched:
+            if again is not None and ks[again] == 0 and mode not in self.draft_costs.restarting:
                 # The exploring call after plain rounds first catches a draft model up on
                 # their tokens, which is never observed as what a draft costs; without a
                 # second drafting round its cost, overestimated once (a calibration on a
@@ -294,8 +294,8 @@ class _CallPricing:
             self.reach.append(reaches)
             self.inverse.append(inverse)
         self.catch_up = [controller._catch_up_s(r) for r in requests]
-        # A draft model's step, where pruning applies (adaptive, unbatched, a measured step)
-        self.step = [draft_costs.marginal_step(r.mode) if r.adaptive and r.mode not in draft_costs.batched else 0.0
+        # A draft model's step, where pruning applies (adaptive, not a head, a measured step)
+        self.step = [draft_costs.marginal_step(r.mode) if r.adaptive and r.mode not in draft_costs.restarting else 0.0
                      for r in requests]
         self.verify = controller.verify_costs.round_prices(len(requests))  # rows -> seconds
         self.modes = list(dict.fromkeys(r.mode for r in requests))

@@ -80,10 +80,8 @@ class ProposerWorker:
         """What a call costs by batch and drafts (``sched.costs``), timed on first use on
         synthetic contexts and kept. Owners call it at start-up."""
         if self._costs is None:
-            kind = PROPOSER_KINDS[self.mode]
-            anchor = kind.calibration_anchor(self.loaded, CALIBRATION_PAST + 1)
-            self._costs = measure_draft_costs(self.loaded.new_proposer, anchor, self.loaded.vocab_size,
-                                              batch=8 if kind.batched else 4)
+            anchor = PROPOSER_KINDS[self.mode].calibration_anchor(self.loaded, CALIBRATION_PAST + 1)
+            self._costs = measure_draft_costs(self.loaded.new_proposer, anchor, self.loaded.vocab_size)
         return self._costs
 
     @property
@@ -91,9 +89,9 @@ class ProposerWorker:
         return list(self._seqs)
 
     def propose(self, items: Sequence[ProposeItem]) -> list[ProposeResult]:
-        """Draft for every item (anchors already resolved by the transport). Proposers
-        that restart every pass draft for all their sequences in one batched run per
-        step; a failure there is retried one sequence at a time, so it stays isolated."""
+        """Draft for every item (anchors already resolved by the transport). Batchable
+        proposers draft for all their sequences in one batched run per step; a failure
+        there is retried one sequence at a time, so it stays isolated."""
         self._evict_idle()
         results: dict[Hashable, ProposeResult] = {}
         batch: list[tuple[ProposeItem, ProposerContext, _Mirror]] = []
@@ -113,7 +111,8 @@ class ProposerWorker:
                 results[item.seq_id] = self._failed(item, exc)
         if len(batch) > 1:
             try:
-                proposals = batch[0][2].proposer.propose_batch([context for _, context, _ in batch])
+                proposals = batch[0][2].proposer.propose_batch([context for _, context, _ in batch],
+                                                               [mirror.proposer for _, _, mirror in batch])
                 results.update((item.seq_id, _result(item, p)) for (item, _, _), p in zip(batch, proposals))
                 batch = []
             except Exception as exc:  # noqa: BLE001 - find the sequence that broke the batch

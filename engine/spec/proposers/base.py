@@ -4,8 +4,9 @@ Mirrors the seed's ``SpeculativeProposer``: ``propose`` drafts tokens for one ve
 pass, ``accept`` hears what the target committed, ``rewind`` re-aligns private state to
 the target's committed tokens, ``name`` identifies the mode. ``close`` releases
 per-request resources (a draft model's KV blocks). ``propose_batch`` drafts for several
-sequences at once; kinds that restart every pass (``batchable``) do it with one model
-run per draft step for the whole batch, the others loop.
+sequences at once; ``batchable`` kinds do it with one model run per draft step for the
+whole batch (the heads restart every pass; the draft model drafts into each sequence's
+own instance, its ``owners``), the others loop.
 
 Token convention (one target pass per round): ``context_tokens`` are the committed
 tokens; the last of them (the *pending* token, the target's own choice) is not in the
@@ -83,11 +84,14 @@ class AcceptContext:
 @runtime_checkable
 class Proposer(Protocol):
     name: str
-    batchable: bool  # True: a fresh state every pass, so one instance can draft for any group of sequences
+    batchable: bool  # True: ``propose_batch`` drafts for a group of sequences with one model run per step
 
     def propose(self, context: ProposerContext) -> Proposal: ...
 
-    def propose_batch(self, contexts: Sequence[ProposerContext]) -> list[Proposal]: ...
+    def propose_batch(self, contexts: Sequence[ProposerContext],
+                      owners: Sequence["Proposer"] | None = None) -> list[Proposal]:
+        """``owners[i]``: the instance that holds ``contexts[i]``'s sequence (a kind that
+        keeps per-sequence state drafts into each owner's; one that keeps none ignores it)."""
 
     def accept(self, context: AcceptContext) -> None: ...
 
@@ -105,7 +109,7 @@ class StatelessProposer:
     def propose(self, context: ProposerContext) -> Proposal:
         raise NotImplementedError
 
-    def propose_batch(self, contexts: Sequence[ProposerContext]) -> list[Proposal]:
+    def propose_batch(self, contexts: Sequence[ProposerContext], owners=None) -> list[Proposal]:
         return [self.propose(context) for context in contexts]
 
     def accept(self, context: AcceptContext) -> None:

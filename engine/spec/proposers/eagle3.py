@@ -43,7 +43,7 @@ class Eagle3Proposer(StatelessProposer):
     def propose(self, context: ProposerContext) -> Proposal:
         return self.propose_batch([context])[0]
 
-    def propose_batch(self, contexts: Sequence[ProposerContext]) -> list[Proposal]:
+    def propose_batch(self, contexts: Sequence[ProposerContext], owners=None) -> list[Proposal]:
         """Draft for several sequences at once: one head run per draft step for all of
         them (each row keeps its own position; the head's own KV has the same length in
         every row, since it restarts every pass)."""

@@ -34,7 +34,7 @@ class MtpProposer(StatelessProposer):
     def propose(self, context: ProposerContext) -> Proposal:
         return self.propose_batch([context])[0]
 
-    def propose_batch(self, contexts: Sequence[ProposerContext]) -> list[Proposal]:
+    def propose_batch(self, contexts: Sequence[ProposerContext], owners=None) -> list[Proposal]:
         """Draft for several sequences with one head run per draft step (each row threads
         its own hidden state)."""
         size = self.head.hidden_size

@@ -46,7 +46,8 @@ class ProposerKind:
     mode: str
     deployment: str | None   # the Serve deployment hosting it; None = runs inside the coordinator
     description: str
-    batched: bool = False    # drafts for a whole batch with one model run per draft step
+    restarts: bool = False   # keeps nothing between rounds: its batched run steps every drafting
+                             # sequence to the call's longest k, and there is nothing to catch up
 
     @property
     def in_coordinator(self) -> bool:
@@ -122,7 +123,7 @@ PROPOSER_KINDS: dict[str, ProposerKind] = {k.mode: k for k in (
     ProposerKind("shared_kv", "SharedKvProposer", "a Gemma-4-style assistant reading the target's KV cache", True),
 )}
 MODEL_MODES = tuple(m for m, k in PROPOSER_KINDS.items() if not k.in_coordinator)
-BATCHED_MODES = frozenset(m for m, k in PROPOSER_KINDS.items() if k.batched)
+RESTARTING_MODES = frozenset(m for m, k in PROPOSER_KINDS.items() if k.restarts)
 
 
 def proposer_kind(mode: str) -> ProposerKind:

@@ -60,7 +60,7 @@ class SharedKvProposer(StatelessProposer):
     def propose(self, context: ProposerContext) -> Proposal:
         return self.propose_batch([context])[0]
 
-    def propose_batch(self, contexts: Sequence[ProposerContext]) -> list[Proposal]:
+    def propose_batch(self, contexts: Sequence[ProposerContext], owners=None) -> list[Proposal]:
         """Draft for several sequences at once. Their target KV slices differ in length,
         so they are padded on the right and the attention mask closes the padding."""
         size = self.head.hidden_size
