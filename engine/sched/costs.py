@@ -311,9 +311,9 @@ class DraftCostTable:
 class DraftCostModel:
     """Predicted seconds of a proposer call for a plan: a head (``restarting``) runs
     ``steps`` (the longest k) steps over all ``n`` drafting sequences; a draft model
-    steps each sequence to its own k, the ones done dropping out (``draft_tokens`` in all). The measured table per mode, plus
-    the per-call overhead observed online (hops, load). A mode without a table costs
-    nothing until measured, so it gets tried."""
+    steps each sequence to its own k, the ones done dropping out (``draft_tokens`` rows
+    in all). The measured table per mode, plus the per-call overhead observed online
+    (hops, load). A mode without a table costs nothing until measured, so it gets tried."""
 
     def __init__(self, restarting: frozenset[str], smoothing: float = 0.1) -> None:
         self.coefficients: dict[str, tuple[float, float, float, float]] = {}
