@@ -215,8 +215,16 @@ def test_a_batched_draft_model_gives_each_sequence_its_solo_drafts_in_one_run_pe
             for proposer in solo + batched:
                 proposer.close()
     assert draft.cache.used_blocks == 0
-    with pytest.raises(ValueError, match="as many owners"):
-        DraftModelProposer(draft).propose_batch(contexts([]), [])
+    stray = DraftModelProposer(draft)
+    elsewhere = DraftModelProposer(CachedDecoder(MODELS / "draft", bundle_engine.target.config))
+    try:
+        with pytest.raises(ValueError, match="as many owners"):
+            stray.propose_batch(contexts([]), [])
+        with pytest.raises(ValueError, match="every owner must share it"):
+            stray.propose_batch(contexts([])[:2], [stray, elsewhere])
+    finally:
+        stray.close()
+        elsewhere.close()
 
 
 def test_draft_alignment_runs_in_calls_of_similar_lengths():

@@ -5,8 +5,8 @@ to the common prefix again.
 
 Every sequence has its own instance (its draft KV), but the instances of one worker
 share one draft model and its cache, so ``propose_batch`` drafts for all of them with one
-batched run per step: the alignment of every sequence in one call, then one call per
-draft position for the sequences still drafting. One by one, a round at 16 streams ran
+batched run per step: the alignment of every sequence in one call (or a few, below),
+then one call per draft position for the sequences still drafting. One by one, a round at 16 streams ran
 32 draft-model calls of ~0.3 ms each (drafting was dearer than plain decoding there);
 batched, as many calls as the longest sequence's drafts.
 
