@@ -137,11 +137,9 @@ def build_int8_graph(source: Path, out: Path) -> int:
     return count
 
 
-def write_int8_twin(head_dir: Path) -> Path:
-    """``head_dir/model.onnx`` -> ``head_dir/INT8_FILE``."""
-    out = head_dir / INT8_FILE
-    build_int8_graph(head_dir / "model.onnx", out)
-    return out
+def write_int8_twin(head_dir: Path) -> int:
+    """``head_dir/model.onnx`` -> ``head_dir/INT8_FILE``; how many products were quantized."""
+    return build_int8_graph(head_dir / "model.onnx", head_dir / INT8_FILE)
 
 
 def main() -> None:
@@ -152,9 +150,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("head_dirs", type=Path, nargs="+")
     for head_dir in parser.parse_args().head_dirs:
-        out = head_dir / INT8_FILE
-        count = build_int8_graph(head_dir / "model.onnx", out)
-        print(f"{out}: {count} weight products as int8")
+        print(f"{head_dir / INT8_FILE}: {write_int8_twin(head_dir)} weight products as int8")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from engine.spec.stats import SpeculativeStats
 from .conftest import CPU_CONFIG, MODELS
 
 onnx = pytest.importorskip("onnx")
-from modelbuild.int8_graph import INT8_HEADS, build_int8_graph  # noqa: E402  (needs onnx)
+from modelbuild.int8_graph import INT8_HEADS, build_int8_graph, write_int8_twin  # noqa: E402  (needs onnx)
 
 
 @pytest.mark.parametrize("kind", INT8_HEADS)
@@ -24,7 +24,7 @@ def test_committed_int8_twins_are_what_the_builder_writes(kind, tmp_path):
     head_dir = MODELS / "heads" / kind
     (tmp_path / "model.onnx").write_bytes((head_dir / "model.onnx").read_bytes())
     (tmp_path / "model.safetensors").write_bytes((head_dir / "model.safetensors").read_bytes())
-    build_int8_graph(tmp_path / "model.onnx", tmp_path / INT8_FILE)
+    write_int8_twin(tmp_path)
     graphs = [onnx.load(str(path), load_external_data=False).graph.SerializeToString()
               for path in (head_dir / INT8_FILE, tmp_path / INT8_FILE)]
     assert graphs[0] == graphs[1]
