@@ -7,14 +7,16 @@ arithmetic, not against a timing; the engine tests run the real models.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from engine import Engine, GenerationOptions
 from engine.sched.costs import (MIN_KIND_CALLS, DraftCostModel, DraftCostTable, VerifyCostModel, VerifyCostTable,
                                  verify_groups)
-from engine.sched.draft_length import (EXPLORE_BATCH, AcceptanceTracker, DraftLengthController, DraftRequest,
-                                      explore_wait)
+from engine.sched.draft_length import (CATCH_UP_STEPS, ENGAGE_MARGIN, EXPLORE_BATCH, AcceptanceTracker,
+                                      DraftLengthController, DraftRequest, explore_wait)
 from engine.spec.proposers.registry import RESTARTING_MODES
 
 from .conftest import CPU_CONFIG, MODELS, generate_concurrently
@@ -190,6 +192,47 @@ def test_a_draft_model_that_sat_out_rounds_pays_for_its_catch_up():
     assert loaded.plan([DraftRequest("s", "draft_model", 4, True, catch_up=200)]) == [0]
 
 
+def test_a_draft_models_catch_up_is_priced_by_the_calls_that_carried_catch_ups():
+    """The prior (a tenth of a step or so per token) stands until calls that fed
+    catch-ups have been seen; then what they cost beyond the call's own prediction is the
+    price, per token, weighted by tokens: first contacts measured dearer than the prior
+    says stop a plan the prior would have drafted."""
+    loaded = controller({"draft_model": 0.7})
+    costs = loaded.draft_costs
+    prior = costs.catch_up_token("draft_model", CATCH_UP_STEPS)
+    assert prior == pytest.approx(CATCH_UP_STEPS * costs.marginal_step("draft_model"))
+    request = [DraftRequest("s", "draft_model", 4, True, catch_up=30)]
+    assert loaded.plan(request) == [4]
+    own = costs.predict("draft_model", 4, 4, 16)
+    for _ in range(3):  # four prompts of 85 tokens at first contact, each priced 6x the prior
+        costs.observe_catch_up("draft_model", 4, 4, 16, 4 * 85, own + 4 * 85 * 6 * prior)
+    assert costs.catch_up_token("draft_model", CATCH_UP_STEPS) == pytest.approx(6 * prior)
+    # A lag of 3 tokens whose call ran faster than predicted moves the price by little
+    costs.observe_catch_up("draft_model", 4, 4, 16, 3, 0.5 * own)
+    assert costs.catch_up_token("draft_model", CATCH_UP_STEPS) == pytest.approx(6 * prior, rel=0.02)
+    loaded._held.clear()
+    assert loaded.plan(request) == [0]
+
+
+def test_a_draft_model_engages_a_new_sequence_only_with_a_margin():
+    """A draft model that drafts for a sequence first prefills it and then keeps up with
+    it to the end: costs beyond what its rounds are priced at. So a plan drafts for
+    sequences the draft model has not seen only when predicted ``ENGAGE_MARGIN`` faster
+    than leaving them out. Here at 16 sequences drafting is predicted ~9 % faster: the
+    sequences it already drafts for keep drafting, new ones are not engaged; alone, where
+    drafting is predicted far faster, a new one is. A head has no such cost: it ignores
+    ``cold``."""
+    loaded = controller({"draft_model": 0.5, "eagle3": 0.5})
+    _, _, drafting = loaded._best_of(requests("draft_model", 16))
+    _, _, plain = loaded._best_of(requests("draft_model", 16, k_max=0, adaptive=False))
+    assert 1.0 < drafting / plain < 1 + ENGAGE_MARGIN
+    warm, cold = requests("draft_model", 16), [replace(r, cold=True) for r in requests("draft_model", 16)]
+    assert sum(loaded.plan(warm)) >= 16 and loaded.plan(cold) == [0] * 16
+    assert loaded.plan([replace(cold[0], seq_id="alone")]) == [3]
+    heads = requests("eagle3", 16)
+    assert loaded.plan([replace(r, cold=True) for r in heads]) == loaded.plan(heads) != [0] * 16
+
+
 def test_a_draft_model_explored_from_no_drafts_drafts_a_second_round_to_be_measured():
     """Explored from k = 0, a draft model's first call catches it up on the plain rounds'
     tokens, which is not observed as what a draft costs (see the catch-up test below). One
@@ -313,6 +356,8 @@ def test_adaptive_rounds_give_the_target_only_tokens(mode, adaptive_engine, held
     assert solo.token_ids == reference[0]
     costs = adaptive_engine.coordinator.draft_lengths.verify_costs  # the rounds taught the cost model
     assert (costs.calls or costs.several) and costs.overheads
+    if mode == "draft_model":  # ... and its first contacts (the prompts' prefills) priced its catch-up
+        assert adaptive_engine.coordinator.draft_lengths.draft_costs.catch_ups["draft_model"][1] >= 1
     assert adaptive_engine.drain() and adaptive_engine.target.cache.used_blocks == 0
 
 
@@ -363,11 +408,13 @@ def test_a_catch_up_after_rounds_without_drafts_is_not_charged_as_drafting(adapt
         calls.append([len(item.new_tokens) for item in items if item.since > 0])
         return await real_propose(mode, replica, items, releases)
 
-    real_observe = DraftCostModel.observe
+    real_observe, real_catch_up, caught = DraftCostModel.observe, DraftCostModel.observe_catch_up, []
     monkeypatch.setattr(DraftLengthController, "plan", plan)
     monkeypatch.setattr(adaptive_engine.transport, "propose", propose)
     monkeypatch.setattr(DraftCostModel, "observe",
                         lambda self, *args: observed.append(args) or real_observe(self, *args))
+    monkeypatch.setattr(DraftCostModel, "observe_catch_up",
+                        lambda self, *args: caught.append(args) or real_catch_up(self, *args))
     options = GenerationOptions(max_new_tokens=32, ignore_eos=True, speculative_mode="draft_model",
                                 num_speculative_tokens=4)
     result = adaptive_engine.generate(heldout_prompts[5], options)
@@ -375,6 +422,10 @@ def test_a_catch_up_after_rounds_without_drafts_is_not_charged_as_drafting(adapt
     rounds = [c for c in calls if c and max(c) <= options.num_speculative_tokens + 1]
     assert catch_ups, calls  # the first drafting call after the plain rounds caught the model up
     assert len(observed) == len(rounds) and rounds, (calls, observed)
+    # ... it prices catch-up tokens instead, as the first contact's call (the prompt) does
+    prompt_and_first = len(adaptive_engine.factory.encode(heldout_prompts[5])) + 1  # the prefill's token
+    assert len(caught) == len(catch_ups) + 1 and caught[0][4] == prompt_and_first, (caught, catch_ups)
+    assert [c[4] for c in caught[1:]] == [max(c) - options.num_speculative_tokens - 1 for c in catch_ups]
     assert result.token_ids == adaptive_engine.generate(heldout_prompts[5], options.model_copy(
         update={"speculative_mode": "none"})).token_ids
 
@@ -453,6 +504,19 @@ def test_where_calls_cost_a_hop_plain_rounds_run_several_to_a_call_instead_of_dr
     # A prompt lookup that found nothing this round may find drafts the next: one round.
     served.plain_steps = 8
     assert served.plan([DraftRequest("s", "prompt_lookup", 0, True)]) == [0] and served.last_steps == 1
+    # Where nothing tells one plain round a call from several apart (nothing learnt: both
+    # priced from the table), a plan without drafts runs several, as target-only does.
+    fresh = controller({"prompt_lookup": 0.1})
+    fresh.plain_steps = 8
+    assert fresh.plan(requests("prompt_lookup", 32)) == [0] * 32 and fresh.last_steps == 8
+    # A request on its last token has no room for drafts, not a lack of them: it does not
+    # hold the rest of its call to one plain round.
+    ending = [DraftRequest("end", "eagle3", 0, True, ending=True), DraftRequest("on", "eagle3", 4, True)]
+    for _ in range(20):
+        served.verify_costs.observe([1, 1], LAYOUT_TABLE.predict(2, 2) + hop)
+        served.verify_costs.observe([5, 5], LAYOUT_TABLE.predict(2, 10) + hop)
+    assert served.plan(ending) == [0, 0] and served.last_steps == 8
+    assert served.plan([DraftRequest("end", "eagle3", 0, True), ending[1]]) == [0, 0] and served.last_steps == 1
 
 
 @pytest.mark.parametrize("mode", ["eagle3", "shared_kv"])

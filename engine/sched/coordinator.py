@@ -45,6 +45,14 @@ async def _within(call, seconds: float):
     return await asyncio.wait_for(call, seconds)
 
 
+def _catch_up_tokens(item: ProposeItem, num_drafts: int) -> int:
+    """Tokens a proposer call feeds beyond what a round commits: the whole context at
+    first contact (or a resync), what rounds without drafts committed after them."""
+    if item.since == 0:
+        return len(item.new_tokens)
+    return max(0, len(item.new_tokens) - (num_drafts + 1))
+
+
 class TargetUnavailableError(EngineError):
     """A target replica cannot be reached (it died or was replaced): its sequences' KV is
     gone, but their committed tokens are not."""
@@ -324,7 +332,7 @@ class RoundCoordinator:
             if not any(run.driver.adaptive for run in runs):
                 continue  # every round drafts its maximum: nothing to plan
             requests = [DraftRequest(r.driver.seq_id, r.driver.mode, r.driver.round_drafts, r.driver.adaptive,
-                                     r.driver.catch_up) for r in runs]
+                                     r.driver.catch_up, r.driver.ending, r.driver.proposer_cold) for r in runs]
             self.draft_lengths.last_steps = 1
             ks = self.draft_lengths.plan(requests)
             steps = 1 if any(ks) else self.draft_lengths.last_steps  # a plan without drafts may run several
@@ -398,13 +406,17 @@ class RoundCoordinator:
             self.metrics.draft_call(mode, seconds)
             # A call that hands a worker a whole context (a sequence's first round, or a
             # resync) pays a draft model's prefill, and one after rounds without drafts pays
-            # its catch-up on their tokens: neither is what a round's drafts cost. (Charged
-            # as drafting, a catch-up once kept draft_model at k = 0 at one stream: no
-            # drafts, so no cheaper call ever corrected it.)
-            if self.draft_lengths is not None and all(
-                    item.since > 0 and len(item.new_tokens) <= run.driver.num_drafts + 1 for run, item in pairs):
+            # its catch-up on their tokens: neither is what a round's drafts cost, so such a
+            # call prices catch-up tokens instead. (Charged as drafting, a catch-up once kept
+            # draft_model at k = 0 at one stream: no drafts, so no cheaper call corrected it.)
+            if self.draft_lengths is not None:
                 drafts = [item.width - 1 for _, item in pairs]
-                self.draft_lengths.draft_costs.observe(mode, len(drafts), max(drafts), sum(drafts), seconds)
+                behind = sum(_catch_up_tokens(item, run.driver.num_drafts) for run, item in pairs)
+                costs = self.draft_lengths.draft_costs
+                if behind:
+                    costs.observe_catch_up(mode, len(drafts), max(drafts), sum(drafts), behind, seconds)
+                else:
+                    costs.observe(mode, len(drafts), max(drafts), sum(drafts), seconds)
         return served_by, [(run, result) for (run, _), result in zip(pairs, results)]
 
     def _take_proposals(self, lane: _Lane, mode: str, replica: str | None, outcome) -> None:

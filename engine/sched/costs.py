@@ -139,6 +139,11 @@ OUTLIER = 2.0  # once a kind has MIN_KIND_CALLS samples, one counts as at most t
                # learnt whole, priced such calls at 6 ms against 3.5 ms, and with no drafting
                # rounds after it nothing corrected that for the rest of the request
 OVERHEAD_FLOOR = 0.0005  # seconds: an overhead learnt near 0 may still grow by OUTLIER x this a sample
+MIN_SEVERAL_CALLS = 2  # calls of several plain rounds before they price such calls: the prior below
+    # is optimistic (further rounds at the table's own figure; real pasts are longer than the
+    # calibration's, and at 16 streams in-process such calls ran 1.17-1.36x it), and each call
+    # until then is a choice made on it (a call of 8 rounds times steadier than a single round)
+MIN_CATCH_UP_CALLS = 3  # proposer calls that carried catch-ups before their learnt price replaces the prior
 MIN_KIND_CALLS, MIN_KIND_SHARE = 8, 0.05  # a kind of call rarer than this in its bucket is an odd one
     # (for a head that always drafts, a plain call is a sequence's first after its prefill, which
     # copies its past into the batch layout: at 32 streams it priced plain rounds 2.4x too dear)
@@ -226,7 +231,7 @@ class VerifyCostModel:
         ~1 % faster, and heads drafted less than they should."""
         table = self.table.predict(batch, batch)
         seen = self.several.get(load_bucket(batch))
-        if seen is not None and seen[1] >= MIN_KIND_CALLS:
+        if seen is not None and seen[1] >= MIN_SEVERAL_CALLS:
             (mean_table, mean_real), _ = seen
             call = steps * table * mean_real / mean_table
         else:
@@ -319,6 +324,7 @@ class DraftCostModel:
         self.coefficients: dict[str, tuple[float, float, float, float]] = {}
         self.restarting, self.smoothing = restarting, smoothing
         self.overhead: dict[tuple[str, int], float] = {}  # (mode, batch-size bucket) -> learnt residual
+        self.catch_ups: dict[str, tuple[tuple[float, float], int]] = {}  # mode -> ((tokens, seconds), calls)
 
     def add(self, mode: str, table: DraftCostTable) -> None:
         self.coefficients[mode] = table.coefficients()
@@ -361,6 +367,28 @@ class DraftCostModel:
         # 0.8 ms head call at batch 1) once stopped one-stream drafting for whole requests.
         # An underestimate keeps the mode drafting, and so is learnt away.
         self.overhead[key] = (1 - self.smoothing) * self.overhead.get(key, 0.0) + self.smoothing * residual
+
+    def catch_up_token(self, mode: str, prior_steps: float) -> float:
+        """Seconds a draft model spends per token it catches up on (a prompt at first
+        contact, the tokens of rounds it sat out): learnt from the calls that carried
+        catch-ups, ``prior_steps`` of its step until such calls have been seen."""
+        seen = self.catch_ups.get(mode)
+        if seen is None or seen[1] < MIN_CATCH_UP_CALLS:
+            return prior_steps * self.marginal_step(mode)
+        (tokens, seconds), _ = seen
+        return max(0.0, seconds / tokens)
+
+    def observe_catch_up(self, mode: str, n: int, steps: int, draft_tokens: int, catch_up_tokens: int,
+                         seconds: float) -> None:
+        """A call drafting as ``observe`` says also fed ``catch_up_tokens`` the draft model
+        had missed: what it cost beyond the call's own prediction is their price. Learnt as
+        a ratio of running sums, so that a prompt of 85 tokens weighs more than a lag of 3,
+        whose residual is mostly noise. (Priced at a fixed 0.15 of a step, a first contact at
+        32 streams -- 32 prompts of ~85 tokens -- came out at half the ~60 ms it measured.)"""
+        if mode not in self.coefficients or n <= 0 or catch_up_tokens <= 0:
+            return
+        residual = max(0.0, seconds - self.predict(mode, n, steps, draft_tokens))
+        _learn(self.catch_ups, mode, (float(catch_up_tokens), residual), self.smoothing)
 
 
 def measure_draft_costs(new_proposer, anchor, vocab: int, batch: int = 8, repeats: int = 3) -> DraftCostTable:

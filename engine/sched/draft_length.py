@@ -26,7 +26,7 @@ Rounds stay lossless whatever k is: only how many drafts are verified changes, n
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import product
 from typing import Sequence
 
@@ -52,8 +52,10 @@ SEVERAL_ROUNDS_MARGIN = 0.1  # several plain rounds in one call must be predicte
                              # drafting plan: they skip that many chances to re-plan. Without it, at 4
                              # streams, near the break-even, the draft model drafted 0.69 a token against
                              # 0.86 with it (0.90 and 0.95 of fixed k, same bench)
+ENGAGE_MARGIN = 0.1      # see ``DraftLengthController._best``
 HELD_CALLS = 16          # calls whose plans are held at once (a lane and replica each); more: start over
-CATCH_UP_STEPS = 0.15    # a draft model's step-equivalents per token of catch-up: it feeds them in one
+CATCH_UP_STEPS = 0.15    # a draft model's step-equivalents per token of catch-up until calls that carried
+                         # catch-ups have priced it (``DraftCostModel.catch_up_token``): it feeds them in one
                          # batched pass (here a sequence's step, the table's, 0.06-0.11 ms; a catch-up
                          # token 0.011-0.016 ms: 8 sequences aligning 12 and 42 tokens against 2)
 
@@ -128,6 +130,9 @@ class DraftRequest:
     adaptive: bool      # False: the request pinned k = k_max
     catch_up: float = 0.0  # tokens a draft model must feed before it drafts, beyond a round's,
                            # per round the request has left (``SequenceDriver.catch_up``)
+    ending: bool = False   # the request's budget has one token left: k_max is 0 for its sake, not
+                           # for want of drafts, and several plain rounds cost it nothing
+    cold: bool = False     # its proposer has not seen the sequence yet (``SequenceDriver.proposer_cold``)
 
 
 class DraftLengthController:
@@ -176,8 +181,25 @@ class DraftLengthController:
         return best_ks
 
     def _best(self, requests: Sequence[DraftRequest]) -> tuple[list[int], int]:
-        """The plan for one target call: each request's drafts, and how many plain rounds
-        the call runs (1 unless it drafts nothing).
+        """The plan for one target call (``_best_of``), engaging a draft model for
+        sequences it has never seen only when that is predicted ``ENGAGE_MARGIN`` faster
+        than the best plan without them: a draft model that drafts for a sequence first
+        prefills it and then keeps up with it for the rest of the request, and that costs
+        more than its rounds' prices say. At fixed k, drafting every round, the draft model
+        ran 0.91-0.96 of target-only at 32 streams and 1.05 at 16, where the rounds'
+        prices had it 3-8 % and 18 % faster."""
+        ks, steps, rate = self._best_of(requests)
+        if any(k and r.cold and r.mode not in self.draft_costs.restarting for k, r in zip(ks, requests)):
+            left_out = [replace(r, k_max=0, adaptive=False) if r.cold and r.mode not in self.draft_costs.restarting
+                        else r for r in requests]
+            alt_ks, alt_steps, alt_rate = self._best_of(left_out)
+            if rate < alt_rate * (1 + ENGAGE_MARGIN):
+                return alt_ks, alt_steps
+        return ks, steps
+
+    def _best_of(self, requests: Sequence[DraftRequest]) -> tuple[list[int], int, float]:
+        """The plan for one target call: each request's drafts, how many plain rounds
+        the call runs (1 unless it drafts nothing), and its worth (tokens/s).
 
         Every mode gets a cap K (tried exhaustively for up to two adaptive modes in the
         call, coordinate-wise beyond); under a cap, each sequence drafts while its next
@@ -205,7 +227,10 @@ class DraftLengthController:
         # Several plain rounds skip as many chances to draft: only where this round's plan
         # weighed drafts for every adaptive sequence, so that the plan, not the absence of
         # drafts, says no (a prompt lookup that found nothing this round may find some the next).
-        several_ok = self.plain_steps > 1 and all(r.k_max > 0 for r in requests if r.adaptive)
+        # A request on its last token counts as weighed: it ends this round whatever the plan
+        # (blocking on it, adaptive ran its wave's tail one plain round a call at 32 streams,
+        # 6.7 such calls a wave at 1.06 ms a token against 0.57 for target-only's tail).
+        several_ok = self.plain_steps > 1 and all(r.k_max > 0 or r.ending for r in requests if r.adaptive)
         several = None  # the batch's tokens/s over ``plain_steps`` plain rounds in one call, once asked
         for caps in choices:
             ks, rate = call.under_caps(dict(zip(modes, caps)))
@@ -214,7 +239,10 @@ class DraftLengthController:
                 if several is None:
                     n = len(requests)
                     several = n * self.plain_steps / self.verify_costs.plain_rounds(n, self.plain_steps)
-                if several > rate:  # weighed against drafting plans with a margin: it commits that many rounds
+                # At a tie (nothing of the call learnt yet: both priced from the table) run them
+                # several to a call, as target-only does: single plain rounds at a wave's tail
+                # cost 1.1 ms a token at 16 streams against 0.85 ms several to a call.
+                if several >= rate * (1 - 1e-9):  # weighed against drafting plans with a margin below
                     rate, steps = max(rate, several / (1 + SEVERAL_ROUNDS_MARGIN)), self.plain_steps
             if all(c == 0 for c in caps) or all(c == top[m] for c, m in zip(caps, modes)):
                 baselines.append((rate, ks, steps))
@@ -223,15 +251,15 @@ class DraftLengthController:
         baseline_rate, baseline_ks, baseline_steps = max(baselines, key=lambda b: b[0],
                                                          default=(0.0, best_ks, best_steps))
         if best_rate < baseline_rate * (1 + MIXED_PLAN_MARGIN):
-            best_ks, best_steps = baseline_ks, baseline_steps
-        return best_ks, best_steps
+            best_ks, best_steps, best_rate = baseline_ks, baseline_steps, baseline_rate
+        return best_ks, best_steps, best_rate
 
     def _catch_up_s(self, r: DraftRequest) -> float:
         """Seconds a draft model's catch-up adds to this round if the sequence drafts (a
         head restarts every pass: it has none)."""
         if not r.catch_up or r.mode in self.draft_costs.restarting:
             return 0.0
-        return CATCH_UP_STEPS * r.catch_up * self.draft_costs.marginal_step(r.mode)
+        return r.catch_up * self.draft_costs.catch_up_token(r.mode, CATCH_UP_STEPS)
 
     def _explore(self, requests: Sequence[DraftRequest], ks: list[int], steps: int = 1) -> None:
         """Acceptance of draft position j is only measured in rounds that draft past it. A

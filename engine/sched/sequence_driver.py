@@ -84,6 +84,17 @@ class SequenceDriver:
         """Most drafts the scheduler may give this sequence's next round."""
         return 0 if self.mode == "none" or not self.prefilled else draft_width(self.state, self.num_drafts) - 1
 
+    @property
+    def ending(self) -> bool:
+        """The next round can commit one token at most: the request's budget ends with it."""
+        return self.prefilled and draft_width(self.state, 1) <= 1
+
+    @property
+    def proposer_cold(self) -> bool:
+        """A remote proposer has not seen this sequence (or lost it): drafting now hands it
+        the whole context."""
+        return self.remote_proposer and self.prefilled and not self._proposer_has
+
     def propose_item(self) -> ProposeItem | None:
         """The message for a remote proposer this round, or None if no drafts are wanted."""
         self.no_drafts()
