@@ -30,7 +30,7 @@ from engine.sched.costs import DraftCostModel, DraftCostTable, VerifyCostModel, 
 from engine.sched.draft_length import DraftLengthController, DraftRequest
 from engine.sched.metrics import RoundMetrics
 from engine.sched.proposer_worker import ProposeItem, ProposeResult
-from engine.sched.sequence_driver import SequenceDriver
+from engine.sched.sequence_driver import SequenceDriver, tokens_behind
 from engine.sched.target_worker import PrefillItem, TargetResult, VerifyItem
 from engine.spec.proposers.registry import RESTARTING_MODES
 
@@ -43,14 +43,6 @@ async def _within(call, seconds: float):
         async with asyncio.timeout(seconds):
             return await call
     return await asyncio.wait_for(call, seconds)
-
-
-def _catch_up_tokens(item: ProposeItem, num_drafts: int) -> int:
-    """Tokens a proposer call feeds beyond what a round commits: the whole context at
-    first contact (or a resync), what rounds without drafts committed after them."""
-    if item.since == 0:
-        return len(item.new_tokens)
-    return max(0, len(item.new_tokens) - (num_drafts + 1))
 
 
 class TargetUnavailableError(EngineError):
@@ -411,7 +403,8 @@ class RoundCoordinator:
             # draft_model at k = 0 at one stream: no drafts, so no cheaper call corrected it.)
             if self.draft_lengths is not None:
                 drafts = [item.width - 1 for _, item in pairs]
-                behind = sum(_catch_up_tokens(item, run.driver.num_drafts) for run, item in pairs)
+                behind = sum(tokens_behind(item.since, len(item.new_tokens), run.driver.num_drafts)
+                             for run, item in pairs)
                 costs = self.draft_lengths.draft_costs
                 if behind:
                     costs.observe_catch_up(mode, len(drafts), max(drafts), sum(drafts), behind, seconds)

@@ -189,9 +189,9 @@ class DraftLengthController:
         ran 0.91-0.96 of target-only at 32 streams and 1.05 at 16, where the rounds'
         prices had it 3-8 % and 18 % faster."""
         ks, steps, rate = self._best_of(requests)
-        if any(k and r.cold and r.mode not in self.draft_costs.restarting for k, r in zip(ks, requests)):
-            left_out = [replace(r, k_max=0, adaptive=False) if r.cold and r.mode not in self.draft_costs.restarting
-                        else r for r in requests]
+        new = [r.cold and r.mode not in self.draft_costs.restarting for r in requests]
+        if any(k and cold for k, cold in zip(ks, new)):
+            left_out = [replace(r, k_max=0, adaptive=False) if cold else r for r, cold in zip(requests, new)]
             alt_ks, alt_steps, alt_rate = self._best_of(left_out)
             if rate < alt_rate * (1 + ENGAGE_MARGIN):
                 return alt_ks, alt_steps

@@ -42,6 +42,13 @@ WINDOW_REFUSAL = ("speculative decoding needs a full-attention KV cache to stay 
 ROUND_TOKENS = 2.0  # tokens a drafting round commits, roughly: what a catch-up is spread over
 
 
+def tokens_behind(since: int, unseen: int, num_drafts: int) -> int:
+    """Tokens a remote proposer must feed beyond what one round commits, given where its
+    view of the sequence ends (``since``) and the committed tokens after that: the whole
+    context at first contact (or after a resync), else what rounds without drafts committed."""
+    return unseen if since == 0 else max(0, unseen - (num_drafts + 1))
+
+
 class SequenceDriver:
     def __init__(self, seq_id: Hashable, state: SequenceState, mode: str, num_drafts: int, needs: Needs,
                  local_proposer: Proposer | None = None, remote_proposer: bool = False, kv_tokens: int = 0,
@@ -127,11 +134,9 @@ class SequenceDriver:
         the end of a request it is not worth it)."""
         if not self.remote_proposer:
             return 0.0
-        lag = len(self.state.tokens) - self._proposer_has
-        if self._proposer_has:
-            lag -= self.num_drafts + 1
+        lag = tokens_behind(self._proposer_has, len(self.state.tokens) - self._proposer_has, self.num_drafts)
         left = self.state.options.max_new_tokens - (len(self.state.tokens) - self.state.prompt_len)
-        return max(0, lag) / max(1.0, left / ROUND_TOKENS)
+        return lag / max(1.0, left / ROUND_TOKENS)
 
     @property
     def drafted(self) -> int:
