@@ -521,6 +521,28 @@ def test_where_calls_cost_a_hop_plain_rounds_run_several_to_a_call_instead_of_dr
     assert served.plan([DraftRequest("end", "eagle3", 0, True), ending[1]]) == [0, 0] and served.last_steps == 1
 
 
+def test_several_plain_rounds_priced_from_their_prior_need_a_wider_margin():
+    """Until calls of several plain rounds have been seen at a batch size, their price is a
+    prior (the first round's call, the others at the table's figure), optimistic at a large
+    batch; so a drafting plan beats them there unless they are predicted SEVERAL_PRIOR_MARGIN
+    faster, not just SEVERAL_ROUNDS_MARGIN. Once such calls are seen at that same price,
+    the narrower margin applies and they win."""
+    plans = controller({"shared_kv": 0.7}, table=LAYOUT_TABLE)
+    plans.plain_steps = 8
+    hop = 0.004  # every call's fixed part: several rounds in one call pay it once
+    for _ in range(20):
+        plans.verify_costs.observe([1] * 32, LAYOUT_TABLE.predict(32, 32) + hop)
+        plans.verify_costs.observe([5] * 32, LAYOUT_TABLE.predict(32, 160) + hop)
+    batch = requests("shared_kv", 32)
+    assert not plans.verify_costs.several_known(32)
+    assert plans.plan(batch) == [2] * 32 and plans.last_steps == 1
+    prior = plans.verify_costs.plain_rounds(32, 8) - 8 * plans.verify_costs.overhead(32)
+    for _ in range(3):  # seen: exactly what the prior said
+        plans.verify_costs.observe([1] * 32, prior, 8)
+    assert plans.verify_costs.several_known(32)
+    assert plans.plan(batch) == [0] * 32 and plans.last_steps == 8
+
+
 @pytest.mark.parametrize("mode", ["eagle3", "shared_kv"])
 def test_a_head_drafts_from_the_last_of_several_plain_rounds(mode, adaptive_engine, heldout_prompts, monkeypatch):
     """After a call of several plain rounds the head starts from the anchor of the last

@@ -230,13 +230,18 @@ class VerifyCostModel:
         saving priced plain rounds in-process ~5 % cheaper at 16 streams, where they ran
         ~1 % faster, and heads drafted less than they should."""
         table = self.table.predict(batch, batch)
-        seen = self.several.get(load_bucket(batch))
-        if seen is not None and seen[1] >= MIN_SEVERAL_CALLS:
-            (mean_table, mean_real), _ = seen
+        if self.several_known(batch):
+            (mean_table, mean_real), _ = self.several[load_bucket(batch)]
             call = steps * table * mean_real / mean_table
         else:
             call = self.call(batch, batch) + (steps - 1) * table
         return call + steps * self.overhead(batch)
+
+    def several_known(self, batch: int) -> bool:
+        """Whether ``plain_rounds`` at this batch size prices from calls of several plain
+        rounds it has seen, rather than from its prior."""
+        seen = self.several.get(load_bucket(batch))
+        return seen is not None and seen[1] >= MIN_SEVERAL_CALLS
 
     def overhead(self, batch: int) -> float:
         seen = self.overheads.get(load_bucket(batch))

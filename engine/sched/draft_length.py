@@ -52,6 +52,10 @@ SEVERAL_ROUNDS_MARGIN = 0.1  # several plain rounds in one call must be predicte
                              # drafting plan: they skip that many chances to re-plan. Without it, at 4
                              # streams, near the break-even, the draft model drafted 0.69 a token against
                              # 0.86 with it (0.90 and 0.95 of fixed k, same bench)
+SEVERAL_PRIOR_MARGIN = 0.25  # ... and this much while they are priced from the prior (``VerifyCostModel.
+                             # plain_rounds``), which is optimistic at a large batch: at 32 streams it priced
+                             # 8 rounds at 105 ms where they ran 130-155, and plans at a wave's start chose
+                             # them over drafting rounds that ran faster a token (shared-KV, 0.94-0.98 of fixed k)
 ENGAGE_MARGIN = 0.1      # see ``DraftLengthController._best``
 HELD_CALLS = 16          # calls whose plans are held at once (a lane and replica each); more: start over
 CATCH_UP_STEPS = 0.15    # a draft model's step-equivalents per token of catch-up until calls that carried
@@ -238,12 +242,13 @@ class DraftLengthController:
             if several_ok and not any(ks):
                 if several is None:
                     n = len(requests)
+                    margin = SEVERAL_ROUNDS_MARGIN if self.verify_costs.several_known(n) else SEVERAL_PRIOR_MARGIN
                     several = n * self.plain_steps / self.verify_costs.plain_rounds(n, self.plain_steps)
                 # At a tie (nothing of the call learnt yet: both priced from the table) run them
                 # several to a call, as target-only does: single plain rounds at a wave's tail
                 # cost 1.1 ms a token at 16 streams against 0.85 ms several to a call.
                 if several >= rate * (1 - 1e-9):  # weighed against drafting plans with a margin below
-                    rate, steps = max(rate, several / (1 + SEVERAL_ROUNDS_MARGIN)), self.plain_steps
+                    rate, steps = max(rate, several / (1 + margin)), self.plain_steps
             if all(c == 0 for c in caps) or all(c == top[m] for c, m in zip(caps, modes)):
                 baselines.append((rate, ks, steps))
             if rate > best_rate * (1 + 1e-6):
