@@ -61,8 +61,9 @@ class SchedulerConfig(BaseModel):
         "server, its hop) is paid once per this many tokens; tokens then stream in bursts, and a stop string "
         "wastes at most this many - 1 passes"))
     replan_rounds: int = Field(4, ge=1, le=64, description=(
-        "rounds an adaptive plan holds while its target call has the same sequences and draft maxima; 1 plans "
-        "every round. Planning costs ~70 us a round in-process, 1.5-2 % of a one-stream round"))
+        "rounds an adaptive plan holds while its target call has the same sequences and draft maxima (each "
+        "re-plan that comes out the same holds twice as long, up to 4x this); 1 plans every round. A computed "
+        "plan costs ~90 us in-process, 1.5-2 % of a one-stream round when made every round"))
 
 
 class EngineConfig(BaseModel):

@@ -160,8 +160,11 @@ def test_a_call_keeps_its_plan_for_a_few_rounds_and_plans_afresh_when_it_changes
     shorter = [DraftRequest(call[0].seq_id, "eagle3", 2, True), call[1]]
     fresh = controller({"eagle3": 0.75})
     fresh.replan_rounds = 4
-    assert fresh.plan(call) == [4, 4] and fresh.plan(shorter) == [2, 4] and fresh.plans == 2
-    assert fresh.plan(call + requests("mtp", 1)) and fresh.plans == 3
+    # A plan that drafts every maximum carries over to smaller maxima; one that does not
+    # (the collapsed head's) plans afresh, as does a call that grows.
+    assert fresh.plan(call) == [4, 4] and fresh.plan(shorter) == [2, 4] and fresh.plans == 1
+    assert held.plan(shorter) == held.plan(shorter) and held.plans == 3
+    assert fresh.plan(call + requests("mtp", 1)) and fresh.plans == 2
     # A call of several plain rounds counts as that many: it plans again at the next call.
     plain = controller({"prompt_lookup": 0.1}, table=LAYOUT_TABLE)
     plain.plain_steps, plain.replan_rounds = 8, 4
@@ -170,6 +173,36 @@ def test_a_call_keeps_its_plan_for_a_few_rounds_and_plans_afresh_when_it_changes
     assert plain.plan(lookup) == [0] and plain.last_steps == 8 and plain.plans == 1
     plain.plan(lookup)
     assert plain.plans == 2
+
+
+def test_a_plan_that_keeps_coming_out_the_same_holds_longer_and_nothing_to_decide_plans_nothing():
+    """Where adaptive drafts what a pinned k does (one stream, a good head) every computed
+    plan is a tax (~90 us of a ~5 ms round): a re-plan that comes out the same holds twice
+    as long, up to ``HOLD_GROWTH`` times ``replan_rounds``, and a change in the plan starts
+    the hold over. A call with nothing to verify (prompt lookup found nothing) plans nothing."""
+    steady = controller({"eagle3": 0.75})
+    steady.replan_rounds = 4
+    call = requests("eagle3", 1)
+    computed = []
+    for _ in range(4 + 8 + 16 + 16 + 16):
+        assert steady.plan(call) == [4]
+        computed.append(steady.plans)
+    assert computed.index(2) == 4 and computed.index(3) == 12 and computed.index(4) == 28  # 4, 8, 16 rounds
+    assert computed.index(5) == 44 and steady.plans == 5                                   # ... then 16 again
+    for _ in range(300):  # the head collapses: the next re-plan differs, and the hold starts over at 4
+        steady.acceptance.record(call[0].seq_id, "eagle3", 4, 0)
+        steady.acceptance.record(("other", _), "eagle3", 4, 0)
+    assert steady.plan(call) == [0] and steady.plans == 6  # due after 16 rounds: re-planned, and it differs
+    for _ in range(3):
+        steady.plan(call)
+    assert steady.plans == 6
+    steady.plan(call)
+    assert steady.plans == 7  # ... so the next re-plan came after 4 rounds, not 16
+    nothing = [DraftRequest(i, "prompt_lookup", 0, True) for i in range(3)]
+    assert steady.plan(nothing) == [0, 0, 0] and steady.last_steps == 1 and steady.plans == 7
+    ending = [DraftRequest("e", "prompt_lookup", 0, True, ending=True)]
+    steady.plan(ending)
+    assert steady.plans == 8  # a request on its last token is weighed (several plain rounds may pay it)
 
 
 def test_exploring_counts_rounds_whether_or_not_the_plan_is_held():

@@ -58,6 +58,8 @@ SEVERAL_PRIOR_MARGIN = 0.25  # ... and this much while they are priced from the 
                              # them over drafting rounds that ran faster a token (shared-KV, 0.94-0.98 of fixed k)
 ENGAGE_MARGIN = 0.1      # see ``DraftLengthController._best``
 HELD_CALLS = 16          # calls whose plans are held at once (a lane and replica each); more: start over
+HOLD_GROWTH = 4          # a plan re-planned to itself holds twice as long each time, up to this many times
+                         # ``replan_rounds`` (``DraftLengthController.plan``)
 CATCH_UP_STEPS = 0.15    # a draft model's step-equivalents per token of catch-up until calls that carried
                          # catch-ups have priced it (``DraftCostModel.catch_up_token``): it feeds them in one
                          # batched pass (here a sequence's step, the table's, 0.06-0.11 ms; a catch-up
@@ -139,6 +141,17 @@ class DraftRequest:
     cold: bool = False     # its proposer has not seen the sequence yet (``SequenceDriver.proposer_cold``)
 
 
+@dataclass
+class _HeldPlan:
+    """A call's plan while it holds: for the maxima it was made for, ``hold`` rounds."""
+
+    ks: list[int]
+    steps: int
+    maxima: list[int]
+    hold: int
+    rounds: int  # rounds it has served so far
+
+
 class DraftLengthController:
     def __init__(self, verify_costs: VerifyCostModel, draft_costs: DraftCostModel,
                  acceptance: AcceptanceTracker | None = None, plain_steps: int = 1, replan_rounds: int = 1) -> None:
@@ -148,7 +161,7 @@ class DraftLengthController:
         self.last_steps = 1             # ... and how many the last plan chose (1 unless it drafts nothing)
         self.replan_rounds = replan_rounds  # rounds a plan holds while its call stays the same
         self.plans = 0                  # plans computed (not held), for tests
-        self._held: dict[tuple, tuple[list[int], int, int]] = {}  # call -> (its plan's ks, steps, rounds held)
+        self._held: dict[tuple, _HeldPlan] = {}  # call (its sequences) -> its plan
         self._idle_plans: dict[str, int] = {}
         self._follow_ups: dict[str, object] = {}  # mode -> the sequence it explored with last plan
 
@@ -156,29 +169,48 @@ class DraftLengthController:
         """Drafts for each request of one target call, in order (``_best``), exploring
         now and then (``_explore``).
 
-        A call whose sequences and maxima are the same as a recent call's keeps that
-        call's plan for ``replan_rounds`` rounds before it is computed again: what it
-        weighs (live acceptance, measured costs) moves little from one round to the next,
-        and computing it every round was a tax of 1.5-2 % on a one-stream round
-        in-process (~70 us of a ~5 ms round), where adaptive drafts what a pinned k does.
-        Held for 4 rounds, 0.4-1.1 % (same process, alternating requests). A call of
-        several plain rounds counts as that many rounds, and any change in the call --
-        a sequence joins or leaves, a maximum shrinks near a request's end, a prompt
-        lookup finds a different number of drafts -- plans afresh. Exploring still
-        happens round by round."""
-        signature = tuple((r.seq_id, r.mode, r.k_max, r.adaptive) for r in requests) \
-            if self.replan_rounds > 1 else None
-        held = self._held.get(signature)
-        if held is not None and held[2] < self.replan_rounds:
-            best_ks, best_steps, rounds = held
-            self._held[signature] = (best_ks, best_steps, rounds + best_steps)
+        Planning is a tax where adaptive does what a pinned k does (one stream, a good
+        head): ~90 us a computed plan against a ~5 ms round (the process's caches are
+        cold after each onnxruntime run), so a plan is computed only when it can matter:
+
+        - *Nothing to decide*: every sequence adaptive, none with drafts to verify (a
+          prompt lookup that found nothing) and none on its last token -- a plain round,
+          no plan (most of prompt lookup's rounds at one stream).
+        - *Held*: a call whose sequences and maxima are the same as a recent call's keeps
+          that call's plan for ``replan_rounds`` rounds; each time a re-plan comes out the
+          same, the next one waits twice as long, up to ``HOLD_GROWTH`` times that (what a
+          plan weighs, live acceptance and measured costs, moves little from one round to
+          the next; a sequence that joins or leaves plans afresh at once). Computing it
+          every round cost one-stream rounds 1.5-2 %; held for 4 rounds, ~1-1.5 % still
+          (median 88 us a computed plan, one in three MTP rounds).
+        - *Shrunk*: a held plan that drafts every maximum carries over when maxima only
+          shrink (a request nearing its end, a prompt lookup finding fewer): every new
+          maximum is what a pinned k would do, and a smaller round cannot make drafting
+          the maximum worse by the plan's own measure.
+
+        A call of several plain rounds counts as that many rounds; exploring happens round
+        by round whatever the plan's source."""
+        if all(r.adaptive and r.k_max == 0 and not r.ending for r in requests):
+            self.last_steps = 1  # the plan _best would make: nothing to verify, a plain round
+            return [0] * len(requests)
+        key = tuple((r.seq_id, r.mode, r.adaptive) for r in requests) if self.replan_rounds > 1 else None
+        maxima = [r.k_max for r in requests]
+        held = self._held.get(key)
+        if held is not None and held.rounds < held.hold and (
+                held.maxima == maxima or (held.ks == held.maxima and all(m <= h for m, h in zip(maxima, held.maxima)))):
+            best_ks, best_steps = (held.ks if held.maxima == maxima else maxima), held.steps
+            held.rounds += best_steps
         else:
             best_ks, best_steps = self._best(requests)
             self.plans += 1
-            if signature is not None:
-                if len(self._held) >= HELD_CALLS:
+            if key is not None:
+                hold = self.replan_rounds
+                if held is not None and held.rounds >= held.hold and (held.maxima, held.ks, held.steps) == (
+                        maxima, best_ks, best_steps):  # the same call re-planned to the same plan
+                    hold = min(2 * held.hold, HOLD_GROWTH * self.replan_rounds)
+                if len(self._held) >= HELD_CALLS and key not in self._held:
                     self._held.clear()
-                self._held[signature] = (best_ks, best_steps, best_steps)
+                self._held[key] = _HeldPlan(list(best_ks), best_steps, maxima, hold, best_steps)
         best_ks = list(best_ks)
         self._explore(requests, best_ks, best_steps)
         self.last_steps = best_steps if not any(best_ks) else 1  # exploring may have added a draft
