@@ -151,6 +151,17 @@ class _HeldPlan:
     hold: int
     rounds: int  # rounds it has served so far
 
+    def serves(self, maxima: list[int]) -> list[int] | None:
+        """This round's drafts if the plan still holds for these maxima: its own for the
+        same maxima; the new maxima where it drafts every maximum and they only shrank."""
+        if self.rounds >= self.hold:
+            return None
+        if maxima == self.maxima:
+            return self.ks
+        if self.ks == self.maxima and all(m <= h for m, h in zip(maxima, self.maxima)):
+            return maxima
+        return None
+
 
 class DraftLengthController:
     def __init__(self, verify_costs: VerifyCostModel, draft_costs: DraftCostModel,
@@ -196,9 +207,9 @@ class DraftLengthController:
         key = tuple((r.seq_id, r.mode, r.adaptive) for r in requests) if self.replan_rounds > 1 else None
         maxima = [r.k_max for r in requests]
         held = self._held.get(key)
-        if held is not None and held.rounds < held.hold and (
-                held.maxima == maxima or (held.ks == held.maxima and all(m <= h for m, h in zip(maxima, held.maxima)))):
-            best_ks, best_steps = (held.ks if held.maxima == maxima else maxima), held.steps
+        reused = held.serves(maxima) if held is not None else None
+        if reused is not None:
+            best_ks, best_steps = reused, held.steps
             held.rounds += best_steps
         else:
             best_ks, best_steps = self._best(requests)
