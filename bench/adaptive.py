@@ -81,7 +81,7 @@ def run_wave(engine: Engine, prompts: list[str], indices: list[int], options: Ge
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=str(ROOT / "models"))
+    parser.add_argument("--models", default=str(ROOT / "models/fixture"))
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--modes", nargs="+", default=MODES)
     parser.add_argument("--new-tokens", type=int, default=48)

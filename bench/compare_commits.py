@@ -25,7 +25,7 @@ ROW = re.compile(r"^(\w+)\s+([\d.]+)\s+[\d.]+x\s+[\d.]+\s+[\d.]+\s+(\w+)\s*$")
 def run_bench(checkout: Path, args: argparse.Namespace) -> dict[str, tuple[float, str]]:
     """mode -> (tokens/s, identical?) parsed from the bench's table."""
     out = subprocess.run([sys.executable, str(checkout / "bench/speculative.py"), "--prompts", str(args.prompts),
-                          "--new-tokens", str(args.new_tokens), "--models", str(ROOT / "models"), "--device", "cpu"],
+                          "--new-tokens", str(args.new_tokens), "--models", str(ROOT / "models/fixture"), "--device", "cpu"],
                          cwd=checkout, capture_output=True, text=True, check=True).stdout
     rows = {}
     for line in out.splitlines():

@@ -171,7 +171,7 @@ def main() -> None:
     used = {prompts[i % len(prompts)] for i in range(max(args.streams) * args.requests_per_stream)}
 
     scheduler = {} if args.plain_steps is None else {"plain_steps": args.plain_steps}
-    engine = Engine(ROOT / "models", EngineConfig(device="cpu", scheduler=scheduler))
+    engine = Engine(ROOT / "models/fixture", EngineConfig(device="cpu", scheduler=scheduler))
     local, expected, solo = {}, {}, {}
     for mode in args.modes:
         run_local = in_process_runner(engine, GenerationOptions(max_new_tokens=args.new_tokens, ignore_eos=True,
@@ -190,7 +190,7 @@ def main() -> None:
 
     from cluster.local import serve_local, start_local_ray
     start_local_ray()
-    serve_local({"model_dir": "models", "stream_interval": args.stream_interval,
+    serve_local({"model_dir": "models/fixture", "stream_interval": args.stream_interval,
                  "stream_writes_per_s": args.stream_writes_per_s or None, "engine": {
         "device": "cpu", "intra_op_threads": args.target_threads, "scheduler": {"lanes": args.lanes, **scheduler},
         "speculative": {"default_mode": "auto"}}}, port=args.port)

@@ -1,10 +1,10 @@
 """specserve against onnxruntime-genai's plain greedy loop on the same weights, in one run.
 
-    bash bench/peer/setup.sh            # once: .venv-peer + the genai build of models/target
+    bash bench/peer/setup.sh            # once: .venv-peer + the genai build of models/fixture/target
     .venv/bin/python bench/peer_genai.py [--prompts 10] [--new-tokens 64] [--threads 2] [--repeats 3]
 
 The peer is onnxruntime-genai 0.18, its model builder run on the bundle's own
-``models/target/model.safetensors``, generating greedily in its own process (it needs plain
+``models/fixture/target/model.safetensors``, generating greedily in its own process (it needs plain
 onnxruntime, which cannot share specserve's venv). Both sides get the same prompt token
 ids, batch 1, the same intra-op thread count, exactly ``--new-tokens`` tokens each; runs
 are interleaved (genai, then every specserve mode, ``--repeats`` times) and each figure is
@@ -222,7 +222,7 @@ def verify_ms(engine: Engine, ids: list[int], width: int, runs: int = 100) -> fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=str(ROOT / "models"))
+    parser.add_argument("--models", default=str(ROOT / "models/fixture"))
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
@@ -278,7 +278,7 @@ def main() -> None:
     base = statistics.median(rates["none"])
     print(f"{len(prompts)} held-out prompts x {args.new_tokens} tokens, greedy, batch 1, {args.threads} threads, "
           f"median of {args.repeats} interleaved runs, warm-up excluded, prefill included")
-    print(f"peer: onnxruntime-genai {peer.version} greedy, its builder's fp32 graph of models/target's weights")
+    print(f"peer: onnxruntime-genai {peer.version} greedy, its builder's fp32 graph of models/fixture/target's weights")
     print(f"{'':24s} {'tokens/s':>9s} {'vs genai':>9s} {'vs none':>8s} {'bound':>7s} {'tau':>5s}  identical to genai")
     print(f"{'onnxruntime-genai greedy':24s} {genai:9.1f} {1.0:8.2f}x")
     for mode in modes:

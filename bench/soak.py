@@ -86,7 +86,7 @@ def reference_token_ids(prompts: list[str], max_tokens: int) -> dict[str, list[i
     if missing:
         # Not spinning: the server under test shares these cores. Closed after, so its loop
         # thread (and the models it holds) do not outlive the references.
-        with Engine(ROOT / "models", EngineConfig(device="cpu", thread_spinning=False,
+        with Engine(ROOT / "models/fixture", EngineConfig(device="cpu", thread_spinning=False,
                                                   speculative=SpeculativeConfig(load=()))) as engine:
             options = GenerationOptions(max_new_tokens=max_tokens, ignore_eos=True, speculative_mode="none")
             with ThreadPoolExecutor(REFERENCE_THREADS) as pool:
@@ -277,7 +277,7 @@ def local_server(port: int) -> Iterator[str]:
 
     start_local_ray()
     try:
-        serve_local({"model_dir": "models", "engine": {"device": "cpu", "speculative": {"default_mode": "eagle3"}}},
+        serve_local({"model_dir": "models/fixture", "engine": {"device": "cpu", "speculative": {"default_mode": "eagle3"}}},
                     port=port)
         yield f"http://127.0.0.1:{port}"
     finally:

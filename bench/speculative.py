@@ -93,7 +93,7 @@ def step_costs(engine: Engine, prompt: str, runs: int = 100) -> dict[str, float]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=str(ROOT / "models"))
+    parser.add_argument("--models", default=str(ROOT / "models/fixture"))
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=4, help="drafts per round")

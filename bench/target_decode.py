@@ -23,7 +23,7 @@ from engine import Engine, EngineConfig, GenerationOptions  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(ROOT / "models/target"))
+    parser.add_argument("--model", default=str(ROOT / "models/fixture/target"))
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)

@@ -65,7 +65,7 @@ def serve_local(args: dict, port: int = 8000, host: str = LOCAL_HOST, blocking: 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run specserve on a local Ray head (127.0.0.1).")
-    parser.add_argument("--model-dir", default="models")
+    parser.add_argument("--model-dir", default="models/fixture")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--host", default=LOCAL_HOST, help="bind address; keep 127.0.0.1 unless you mean it")
     parser.add_argument("--default-mode", default="eagle3",

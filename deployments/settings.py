@@ -19,7 +19,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 class ServeSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model_dir: str = Field("models", description="bundle with manifest.json; a relative path is looked up in the "
+    model_dir: str = Field("models/fixture", description="bundle with manifest.json; a relative path is looked up in the "
                                                  "working directory, then in the project root")
     engine: EngineConfig = Field(default_factory=EngineConfig, description=(
         "the engine's configuration (engine/config.py); `engine.speculative.load` = the proposer kinds to "

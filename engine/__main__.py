@@ -1,4 +1,4 @@
-"""Command line: ``python -m engine generate --model models/target --prompt "def "``."""
+"""Command line: ``python -m engine generate --model models/fixture/target --prompt "def "``."""
 from __future__ import annotations
 
 import argparse
@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m engine", description="specserve in-process engine")
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="generate text from a prompt and print it with its speed")
-    gen.add_argument("--model", required=True, help="model directory, e.g. models/target")
+    gen.add_argument("--model", required=True, help="model directory, e.g. models/fixture/target")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)

@@ -1,6 +1,6 @@
 """The in-process engine: the round coordinator over a local transport.
 
-``Engine("models")`` (a bundle with ``manifest.json``) or ``Engine("models/target")``
+``Engine("models/fixture")`` (a bundle with ``manifest.json``) or ``Engine("models/fixture/target")``
 (a model directory; its parent's manifest, if any, names the draft and heads).
 
 This is the embedded mode of the very scheduler the server runs (vLLM's in-process

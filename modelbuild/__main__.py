@@ -45,7 +45,7 @@ SEQ_LEN = CONTEXT // 2  # trained mostly at 256, the last steps at 512 (TrainPla
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", type=Path, default=Path("models"))
+    parser.add_argument("--out", type=Path, default=Path("models/fixture"))
     parser.add_argument("--target-steps", type=int, default=1000)
     parser.add_argument("--draft-steps", type=int, default=450)
     parser.add_argument("--batch-size", type=int, default=8)

@@ -1,6 +1,6 @@
 """Check that transformers runs the very same weights: ``python -m modelbuild.compare_transformers``.
 
-Loads ``models/target`` and ``models/draft`` (float16 safetensors + config.json) with
+Loads ``models/fixture/target`` and ``models/fixture/draft`` (float16 safetensors + config.json) with
 transformers' own ``LlamaForCausalLM`` and compares its logits and greedy continuation
 with the ONNX models run by onnxruntime. Dev-only (needs the ``train`` extra).
 """

@@ -31,7 +31,7 @@ from .convert.target import build_target_graph
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bundle", type=Path, default=Path("models"))
+    parser.add_argument("--bundle", type=Path, default=Path("models/fixture"))
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     manifest = BundleManifest.load(args.bundle)

@@ -144,7 +144,7 @@ def write_int8_twin(head_dir: Path) -> int:
 
 def main() -> None:
     """Write the int8 twin of each head directory given: ``python -m modelbuild.int8_graph
-    models/heads/eagle3 models/heads/shared_kv``. Needs only onnx (no torch, no retraining)."""
+    models/fixture/heads/eagle3 models/fixture/heads/shared_kv``. Needs only onnx (no torch, no retraining)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # tests/convert needs torch, transformers and mobius-onnx, which live in the convert venv
 # (scripts/test_convert.sh runs them there); specserve's own venv never has them.
 collect_ignore = [] if importlib.util.find_spec("mobius") else ["convert"]
-MODELS = Path(os.environ.get("SPECSERVE_TEST_MODELS", ROOT / "models"))  # override only to try a rebuild
+MODELS = Path(os.environ.get("SPECSERVE_TEST_MODELS", ROOT / "models/fixture"))  # override only to try a rebuild
 TARGET_DIR = MODELS / "target"
 DRAFT_DIR = MODELS / "draft"
 # Two intra-op threads: the CI machine has two cores.
@@ -84,7 +84,7 @@ def running_server(args: dict | None = None, env: dict[str, str] | None = None, 
                 else value
         return out
 
-    defaults = {"model_dir": "models",
+    defaults = {"model_dir": "models/fixture",
                 "engine": {"device": "cpu", "speculative": {"default_mode": "eagle3", "adaptive": False}}}
     saved = {key: os.environ.get(key) for key in env or {}}
     os.environ.update(env or {})

@@ -41,7 +41,7 @@ def small_pool():
     config = EngineConfig(device="cpu", intra_op_threads=1, kv_num_blocks=64, kv_block_size=BLOCK,
                           speculative=SpeculativeConfig(load=(), adaptive=False),
                           scheduler=SchedulerConfig(admission_timeout_s=30.0))
-    with Engine(ROOT / "models/target", config) as engine:
+    with Engine(ROOT / "models/fixture/target", config) as engine:
         yield engine
 
 

@@ -18,7 +18,7 @@ def test_engine_never_imports_ray():
 
 
 def test_cli_generates_and_reports_speed_and_finish_reason():
-    run = subprocess.run([sys.executable, "-m", "engine", "generate", "--model", "models/target", "--device", "cpu",
+    run = subprocess.run([sys.executable, "-m", "engine", "generate", "--model", "models/fixture/target", "--device", "cpu",
                           "--prompt", "import os\n\n\ndef main(", "--max-new-tokens", "12"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert run.returncode == 0, run.stderr
@@ -28,7 +28,7 @@ def test_cli_generates_and_reports_speed_and_finish_reason():
 
 
 def test_cli_rejects_bad_options_with_the_field_named():
-    run = subprocess.run([sys.executable, "-m", "engine", "generate", "--model", "models/target",
+    run = subprocess.run([sys.executable, "-m", "engine", "generate", "--model", "models/fixture/target",
                           "--prompt", "x", "--top-p", "1.5"], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert run.returncode == 2 and "top_p" in run.stderr
 

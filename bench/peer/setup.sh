@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Make .venv-peer (onnxruntime-genai and its model builder) and convert the bundled
-# target's own weights (models/target/model.safetensors) with that builder into
+# target's own weights (models/fixture/target/model.safetensors) with that builder into
 # .cache/peer/genai_target. Idempotent; used by bench/peer_genai.py.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -11,7 +11,7 @@ PYTHON=${PYTHON:-python3}
 OUT=.cache/peer/genai_target
 if [ ! -f "$OUT/model.onnx" ]; then
   mkdir -p .cache/peer
-  if ! .venv-peer/bin/python -m onnxruntime_genai.models.builder -i models/target -o "$OUT" -p fp32 -e cpu \
+  if ! .venv-peer/bin/python -m onnxruntime_genai.models.builder -i models/fixture/target -o "$OUT" -p fp32 -e cpu \
       -c .cache/peer/builder-cache >.cache/peer/build.log 2>&1; then
     tail -20 .cache/peer/build.log >&2
     exit 1

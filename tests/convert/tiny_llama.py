@@ -30,7 +30,7 @@ def write_tiny_llama(out_dir: Path, seed: int = 0, **overrides) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     for name in TOKENIZER_FILES:
-        shutil.copy(ROOT / "models/target" / name, out_dir / name)
+        shutil.copy(ROOT / "models/fixture/target" / name, out_dir / name)
     return out_dir
 
 
