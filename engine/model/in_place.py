@@ -11,6 +11,11 @@ shorter ``length`` -- what onnxruntime-genai does with ``past_present_share_buff
 Measured here in a batch-1 decode loop, interleaved with the standard graph: 0.88x the
 time per call, for 1 and 5 new tokens alike.
 
+A bundle may carry a second twin for single-token calls (``model.inplace.step.onnx``)
+on weights that are faster there: a converted GGUF's Q4_1 blocks run a decode step in
+0.7x float32's time and every multi-token call slower (``docs/models.md``). It reads and
+writes the same buffers, so a sequence's calls alternate between the two freely.
+
 Batch 1 only (``GroupQueryAttention`` refuses several new tokens after a past at batch
 > 1), positions equal to slot indices (no sliding window), and CPU only: the buffers are
 numpy arrays that the paged cache reads as views; on CUDA they would have to live on the
@@ -29,6 +34,7 @@ from engine.model.onnx_model import _ORT_DTYPES, OnnxDecoder
 from engine.model.providers import session_options
 
 IN_PLACE_FILE = "model.inplace.onnx"  # written beside model.onnx by modelbuild.fused_graph
+STEP_FILE = "model.inplace.step.onnx"  # optional: the twin of single-token calls (modelbuild.from_gguf)
 CAPACITY_STEP = 64                    # buffers grow in whole steps of this many slots
 CHECK_TOLERANCE = 1e-3                # load-time agreement with the standard graph (logits)
 log = logging.getLogger("specserve.engine")
@@ -50,6 +56,7 @@ class KVBuffer:
     # OrtValues over them): bound when the width changes, so no call allocates them.
     widths: dict[int, tuple[np.ndarray, list[tuple[np.ndarray, ort.OrtValue]]]] = field(default_factory=dict)
     bound_width: int = 0  # the new-token count whose arrays are bound now (bindings persist across runs)
+    step_binding: ort.IOBinding | None = None  # the single-token twin's, bound at its first run
 
     @property
     def capacity(self) -> int:
@@ -69,14 +76,8 @@ class InPlaceDecoder:
     def __init__(self, standard: OnnxDecoder, path: Path, intra_op_threads: int | None,
                  thread_spinning: bool) -> None:
         self.standard = standard
-        options = session_options(intra_op_threads, spinning=thread_spinning)
-        if thread_spinning:
-            # Spin within a run, never after it: the standard session's pool, which serves the
-            # batched calls in between, would otherwise find this one's threads spinning on
-            # its cores (at 4 streams 15-25 % slower; in a batch-1 loop with 0.1 ms of Python
-            # between runs, 0.906 of the standard graph's time against 0.894 spinning after).
-            options.add_session_config_entry("session.force_spinning_stop", "1")
-        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        self.session = self._session(path, intra_op_threads, thread_spinning)
+        self.step_session: ort.InferenceSession | None = None  # single-token calls, where there is a step twin
         io = standard.io
         self.past_names = list(io.past_keys + io.past_values)
         self.present_names = list(io.present_keys + io.present_values)
@@ -86,6 +87,17 @@ class InPlaceDecoder:
         self.output_shapes = [(declared[name].shape[-1], _ORT_DTYPES[declared[name].type])
                               for name in self.output_names]
         self.calls = 0  # runs so far (tests check that the path is taken)
+
+    @staticmethod
+    def _session(path: Path, intra_op_threads: int | None, thread_spinning: bool) -> ort.InferenceSession:
+        options = session_options(intra_op_threads, spinning=thread_spinning)
+        if thread_spinning:
+            # Spin within a run, never after it: the standard session's pool, which serves the
+            # batched calls in between, would otherwise find this one's threads spinning on
+            # its cores (at 4 streams 15-25 % slower; in a batch-1 loop with 0.1 ms of Python
+            # between runs, 0.906 of the standard graph's time against 0.894 spinning after).
+            options.add_session_config_entry("session.force_spinning_stop", "1")
+        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
     @classmethod
     def load(cls, standard: OnnxDecoder, intra_op_threads: int | None, thread_spinning: bool
@@ -118,18 +130,42 @@ class InPlaceDecoder:
             log.warning("%s not used: its logits differ from %s's by %.2e (a stale twin? rebuild it with "
                         "python -m modelbuild.fused_graph)", path, standard.onnx_path, difference)
             return None
+        twin.add_step_twin(standard.model_dir / STEP_FILE, intra_op_threads, thread_spinning)
         return twin
 
-    def agreement(self) -> float:
-        """Max |logit difference| from the standard graph over a 3-token prefill and a
-        2-token step after it (checked once, at load)."""
-        ids = np.array([[1, 2, 3, 4, 5]], np.int64)
-        reference = self.standard.forward(ids, np.ones((1, 5), np.int64), np.arange(5)[None],
+    def add_step_twin(self, path: Path, intra_op_threads: int | None, thread_spinning: bool) -> None:
+        """Serve single-token calls on ``path`` where it exists, loads, has this twin's
+        inputs and outputs and agrees with the standard graph; else this twin serves them."""
+        if not path.is_file():
+            return
+        try:
+            step = self._session(path, intra_op_threads, thread_spinning)
+        except (ort.capi.onnxruntime_pybind11_state.Fail, ort.capi.onnxruntime_pybind11_state.InvalidGraph,
+                ort.capi.onnxruntime_pybind11_state.InvalidProtobuf) as exc:
+            log.warning("%s not used: onnxruntime cannot load it (%s)", path, exc)
+            return
+        same_io = ({i.name for i in step.get_inputs()} == {i.name for i in self.session.get_inputs()}
+                   and {o.name for o in step.get_outputs()} == {o.name for o in self.session.get_outputs()})
+        if not same_io:
+            log.warning("%s not used: its inputs/outputs differ from %s's", path, IN_PLACE_FILE)
+            return
+        self.step_session = step
+        difference = self.agreement((3, 1))
+        if difference > CHECK_TOLERANCE:
+            self.step_session = None
+            log.warning("%s not used: its logits differ from %s's by %.2e", path, self.standard.onnx_path, difference)
+
+    def agreement(self, widths: tuple[int, ...] = (3, 2)) -> float:
+        """Max |logit difference| from the standard graph over runs of these widths, one
+        after another from an empty past (checked once, at load)."""
+        ids = np.arange(1, 1 + sum(widths), dtype=np.int64)[None]
+        reference = self.standard.forward(ids, np.ones_like(ids), np.arange(ids.shape[1])[None],
                                           self.standard.empty_past()).logits
-        buffer = self.new_buffer(8)
-        first, _ = self.run(buffer, 0, ids[:, :3])
-        second, _ = self.run(buffer, 3, ids[:, 3:])
-        return float(np.abs(np.concatenate([first, second], axis=1) - reference).max())
+        buffer, length, runs = self.new_buffer(8), 0, []
+        for width in widths:
+            runs.append(self.run(buffer, length, ids[:, length : length + width])[0])
+            length += width
+        return float(np.abs(np.concatenate(runs, axis=1) - reference).max())
 
     def new_buffer(self, capacity: int) -> KVBuffer:
         """Zeroed buffers, bound once as past and present of every layer (zeros: a slot
@@ -155,7 +191,6 @@ class InPlaceDecoder:
         new = input_ids.shape[1]
         if length + new > buffer.capacity:
             raise ValueError(f"{length} + {new} tokens do not fit a buffer of {buffer.capacity} slots")
-        binding = buffer.binding
         arrays = buffer.widths.get(new)
         if arrays is None:
             outputs = [np.empty((1, new, width), dtype) for width, dtype in self.output_shapes]
@@ -163,14 +198,32 @@ class InPlaceDecoder:
                                            [(a, ort.OrtValue.ortvalue_from_numpy(a)) for a in outputs])
         ids, outputs = arrays
         ids[:] = input_ids
-        if buffer.bound_width != new:
-            binding.bind_cpu_input(self.standard.io.input_ids, ids)
-            for name, (_, value) in zip(self.output_names, outputs):
-                binding.bind_ortvalue_output(name, value)
-            buffer.bound_width = new
+        if new == 1 and self.step_session is not None:
+            session, binding = self.step_session, buffer.step_binding or self._bind_step(buffer, ids, outputs)
+        else:
+            session, binding = self.session, buffer.binding
+            if buffer.bound_width != new:
+                self._bind_width(binding, ids, outputs)
+                buffer.bound_width = new
         binding.bind_cpu_input(self.standard.io.attention_mask, buffer.mask[:, : length + new])
-        self.session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding)
         self.calls += 1
         # Copies: the arrays are this buffer's, rewritten by its next call of this width.
         logits = outputs[0][0].astype(np.float32)
         return logits, {name: array.copy() for name, (array, _) in zip(self.output_names[1:], outputs[1:])}
+
+    def _bind_width(self, binding: ort.IOBinding, ids: np.ndarray, outputs: list) -> None:
+        binding.bind_cpu_input(self.standard.io.input_ids, ids)
+        for name, (_, value) in zip(self.output_names, outputs):
+            binding.bind_ortvalue_output(name, value)
+
+    def _bind_step(self, buffer: KVBuffer, ids: np.ndarray, outputs: list) -> ort.IOBinding:
+        """The single-token twin's binding of ``buffer``: its past and present are the same
+        OrtValues, its input and outputs the buffer's width-1 arrays; bound once."""
+        binding = self.step_session.io_binding()
+        for value, past, present in zip(buffer._ort_values, self.past_names, self.present_names):
+            binding.bind_ortvalue_input(past, value)
+            binding.bind_ortvalue_output(present, value)
+        self._bind_width(binding, ids, outputs)
+        buffer.step_binding = binding
+        return binding

@@ -57,9 +57,10 @@ class ConversionRecord(_Strict):
     """Where a converted model came from (``python -m modelbuild.convert``), in place of
     a training record: the bundle's own models are trained here, a user's are converted."""
 
-    source: str = Field(description="the Hugging Face directory it was converted from")
+    source: str = Field(description="what it was converted from: a Hugging Face directory, or a GGUF and where it came from")
     source_format: str = Field(description="the checkpoint layout, e.g. llama, eagle3-safeailab, qwen3.5-mtp")
     tool: str = Field(description="the exporter and its version")
+    sha256: str | None = Field(None, description="of the source file, where it is one file (a GGUF)")
     notes: str = ""
 
 
@@ -130,6 +131,7 @@ class CorpusRecord(_Strict):
 
 class BundleManifest(_Strict):
     format_version: Literal[1] = 1
+    name: str | None = Field(None, description="the model's name, served as its id (default: the directory's name)")
     tokenizer: str
     eos_token: str
     eos_token_id: int

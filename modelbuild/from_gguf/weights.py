@@ -1,0 +1,174 @@
+"""A GGUF's weights as a decoder graph's ``WeightSource`` (``modelbuild.fused_graph``), in
+one of three formats, chosen by measurement (``docs/models.md``):
+
+- ``q4_1`` (the default): every Q4_1 matrix is carried over as it is. onnxruntime's
+  ``MatMulNBits`` computes ``x @ (s * (q - 8)).T``; with s = d that is the file's
+  ``d * q + m`` minus ``8d + m`` per block, so the product adds back the block sums of
+  ``x`` times ``8d + m`` (a ``[.., K/32] x [K/32, N]`` product). Exact, and with no float
+  zero points (onnxruntime's slow path, ~10x, ``/work/shared/docs/architecture.md``).
+  The Q8_0 embedding table serves as a ``MatMulNBits`` of 8 bits (q + 128, zero point 128):
+  exact too. ``accuracy_level`` 4 makes onnxruntime quantise activations to int8: faster
+  for some shapes, no longer exact.
+- ``fp32``: every matrix dequantised to float32 (the same values, four times the bytes).
+- ``int8``: every matrix re-quantised to 8 bits per 32-weight block with a uint8 zero
+  point (round to nearest): close to the file's weights, not equal.
+
+Everything is written once into one external-data file that the standard graph and its
+in-place twin both reference.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from ..fused_graph import MS, _Graph
+from .checkpoint import GgufCheckpoint, GgufTensor, q4_1_parts, q8_0_parts
+
+WEIGHT_FORMATS = ("q4_1", "fp32", "int8")
+DATA_FILE = "model.onnx.data"
+_ALIGN = 64  # onnxruntime maps external data; aligned offsets let it use them in place
+
+
+class ExternalData:
+    """One weights file beside the graphs: each named array is written once, and every
+    graph that uses it gets a tensor pointing at the same bytes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._handle = open(path, "wb")
+        self._where: dict[str, tuple[int, int, int, tuple[int, ...]]] = {}
+
+    def tensor(self, name: str, array: np.ndarray) -> TensorProto:
+        if name not in self._where:
+            array = np.ascontiguousarray(array)
+            offset = self._handle.tell()
+            self._handle.write(b"\0" * (-offset % _ALIGN))
+            offset = self._handle.tell()
+            self._handle.write(array.tobytes())
+            dtype = onnx.helper.np_dtype_to_tensor_dtype(array.dtype)
+            self._where[name] = (offset, array.nbytes, dtype, array.shape)
+        offset, length, dtype, shape = self._where[name]
+        proto = TensorProto(name=name, data_type=dtype, dims=list(shape))
+        proto.data_location = TensorProto.EXTERNAL
+        for key, value in (("location", self.path.name), ("offset", str(offset)), ("length", str(length))):
+            entry = proto.external_data.add()
+            entry.key, entry.value = key, value
+        return proto
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+class GgufWeights:
+    """The ``WeightSource`` of one GGUF in one of ``WEIGHT_FORMATS``."""
+
+    def __init__(self, checkpoint: GgufCheckpoint, store: ExternalData, weight_format: str = "q4_1",
+                 accuracy_level: int = 0) -> None:
+        if weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"weight format '{weight_format}' is not one of {WEIGHT_FORMATS}")
+        if weight_format == "int8":
+            accuracy_level = 4  # its only fast kernel (see ``linear``)
+        self.checkpoint, self.store, self.format, self.accuracy_level = checkpoint, store, weight_format, accuracy_level
+        self._block_sums: dict[tuple[int, str], str] = {}  # (graph, x) -> its 32-block sums
+
+    def _init(self, g: _Graph, name: str, array: np.ndarray) -> str:
+        g.initializers.append(self.store.tensor(name, array))
+        return name
+
+    # -- WeightSource ------------------------------------------------------------------
+    def vector(self, g: _Graph, name: str, size: int) -> str:
+        values = self.checkpoint.tensor(name).dequantize()
+        if values.shape != (size,):
+            raise ValueError(f"{name}: the file holds {values.shape}, the graph needs ({size},)")
+        return self._init(g, name, values)
+
+    def embedding(self, g: _Graph, ids: str, name: str, vocab: int, hidden: int) -> str:
+        table = self.checkpoint.tensor(name)
+        if table.encoding != "Q8_0":
+            return g.one("Gather", [self._init(g, name, table.dequantize()), ids], name="embed")
+        # The rows the call needs, dequantised in the graph: exact, and a quarter of the bytes.
+        d, q = q8_0_parts(table.data)
+        rows = g.one("Cast", [g.one("Gather", [self._init(g, name + ".q8", q.reshape(vocab, hidden)), ids])],
+                     to=TensorProto.FLOAT)
+        blocks = g.one("Reshape", [rows, g.const("embed_blocks", np.array([0, 0, -1, 32], np.int64))])
+        scales = g.one("Unsqueeze", [g.one("Gather", [self._init(g, name + ".d", d), ids]),
+                                     g.const("embed_last_axis", np.array([-1], np.int64))])
+        return g.one("Reshape", [g.one("Mul", [blocks, scales]),
+                                 g.const("embed_rows", np.array([0, 0, hidden], np.int64))], name="embed")
+
+    def linear(self, g: _Graph, x: str, names: list[str], out_sizes: list[int], in_size: int,
+               output: str | None = None) -> str:
+        tensors = [self.checkpoint.tensor(n) for n in names]
+        for tensor, rows in zip(tensors, out_sizes):
+            if tensor.shape != (rows, in_size):
+                raise ValueError(f"{tensor.name}: the file holds {tensor.shape}, the graph needs ({rows}, {in_size})")
+        encodings = {t.encoding for t in tensors}
+        label = names[0] if len(names) == 1 else names[0].rsplit(".", 2)[0] + ".qkv"
+        if self.format == "q4_1" and encodings == {"Q4_1"}:
+            return self._q4_1(g, x, label, tensors, in_size, output)
+        # 8-bit MatMulNBits has a fast kernel only with int8 activations (accuracy level 4):
+        # at level 0 the 49152 x 576 LM head took 130 ms a token against fp32's 6.2 ms
+        # (docs/models.md), so exact 8-bit weights run as float32.
+        if self.accuracy_level == 4 and encodings == {"Q8_0"}:
+            return self._q8_0(g, x, label, tensors, in_size, output)
+        if self.format == "int8":
+            return self._int8(g, x, label, tensors, in_size, output)
+        weight = np.concatenate([t.dequantize() for t in tensors]).T  # [in, out] for MatMul
+        return self._finish(g, "MatMul", [x, self._init(g, label + ".t", weight)], output)
+
+    # -- products ----------------------------------------------------------------------
+    def _q4_1(self, g: _Graph, x: str, label: str, tensors: list[GgufTensor], in_size: int,
+              output: str | None) -> str:
+        parts = [q4_1_parts(t.data) for t in tensors]
+        d = np.concatenate([p[0] for p in parts])
+        m = np.concatenate([p[1] for p in parts])
+        q = np.concatenate([p[2] for p in parts])
+        rows = q.shape[0]
+        packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)  # onnxruntime: pairs in a byte, low first
+        product = g.one("MatMulNBits", [x, self._init(g, label + ".q4", packed), self._init(g, label + ".s", d.reshape(-1))],
+                        domain=MS, K=in_size, N=rows, bits=4, block_size=32, accuracy_level=self.accuracy_level)
+        shift = self._init(g, label + ".shift", np.ascontiguousarray((8.0 * d + m).T))  # [K/32, N]
+        correction = g.one("MatMul", [self._block_sums_of(g, x, in_size), shift])
+        return self._finish(g, "Add", [product, correction], output)
+
+    def _q8_0(self, g: _Graph, x: str, label: str, tensors: list[GgufTensor], in_size: int,
+              output: str | None) -> str:
+        parts = [q8_0_parts(t.data) for t in tensors]
+        d = np.concatenate([p[0] for p in parts])
+        q = (np.concatenate([p[1] for p in parts]).astype(np.int16) + 128).astype(np.uint8)  # zero point 128
+        return self._finish(g, "MatMulNBits", [x, self._init(g, label + ".q8", q), self._init(g, label + ".s", d.reshape(-1))],
+                            output, domain=MS, K=in_size, N=q.shape[0], bits=8, block_size=32,
+                            accuracy_level=self.accuracy_level)
+
+    def _int8(self, g: _Graph, x: str, label: str, tensors: list[GgufTensor], in_size: int,
+              output: str | None) -> str:
+        w = np.concatenate([t.dequantize() for t in tensors]).reshape(-1, in_size // 32, 32)
+        low, high = w.min(axis=-1), w.max(axis=-1)
+        scale = np.where(high > low, (high - low) / 255.0, 1.0).astype(np.float32)
+        zero = np.clip(np.round(-low / scale), 0, 255).astype(np.uint8)
+        q = np.clip(np.round(w / scale[..., None]) + zero[..., None], 0, 255).astype(np.uint8)
+        inputs = [x, self._init(g, label + ".i8", q), self._init(g, label + ".s8", scale.reshape(-1)),
+                  self._init(g, label + ".z8", zero.reshape(-1))]
+        return self._finish(g, "MatMulNBits", inputs, output, domain=MS, K=in_size, N=q.shape[0], bits=8,
+                            block_size=32, accuracy_level=self.accuracy_level)
+
+    def _block_sums_of(self, g: _Graph, x: str, in_size: int) -> str:
+        """``x``'s sums over each 32-wide block of its last axis, ``[.., K/32]``; computed
+        once per graph and input (q, k and v share theirs, as do gate and up)."""
+        key = (id(g), x)
+        if key not in self._block_sums:
+            blocks = g.one("Reshape", [x, g.const(f"blocks_of_{in_size}_{len(self._block_sums)}",
+                                                  np.array([0, 0, in_size // 32, 32], np.int64))])
+            self._block_sums[key] = g.one("ReduceSum", [blocks, g.const(f"sum_last_{len(self._block_sums)}",
+                                                                        np.array([-1], np.int64))], keepdims=0)
+        return self._block_sums[key]
+
+    @staticmethod
+    def _finish(g: _Graph, op: str, inputs: list[str], output: str | None, **attrs) -> str:
+        if output is None:
+            return g.one(op, inputs, **attrs)
+        g.nodes.append(onnx.helper.make_node(op, inputs, [output], name="lm_head", **attrs))
+        return output
