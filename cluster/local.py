@@ -3,8 +3,8 @@
 Ray on a small machine needs explicit logical resources: the deployments ask for
 fractional CPUs, and the default (one logical CPU per core) would leave two cores
 unable to place them all. ``python -m cluster.local`` is the embedded default the
-README's Quickstart runs: a Ray head on 127.0.0.1, the whole application on the bundled
-models, the URLs printed, Ctrl-C to stop.
+README's Quickstart runs: a Ray head on 127.0.0.1, the whole application on the default
+model (or ``--model-dir``), the URLs printed, Ctrl-C to stop.
 """
 from __future__ import annotations
 
@@ -65,10 +65,11 @@ def serve_local(args: dict, port: int = 8000, host: str = LOCAL_HOST, blocking: 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run specserve on a local Ray head (127.0.0.1).")
-    parser.add_argument("--model-dir", default="models/fixture")
+    parser.add_argument("--model-dir", default=None, help="bundle to serve (default: the default model, "
+                        "SmolLM2-135M-Instruct; models/fixture is the test fixture)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--host", default=LOCAL_HOST, help="bind address; keep 127.0.0.1 unless you mean it")
-    parser.add_argument("--default-mode", default="eagle3",
+    parser.add_argument("--default-mode", default="auto",
                         choices=["auto", "none", "prompt_lookup", "draft_model", "mtp", "eagle3", "shared_kv"])
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--modes", default=None,
@@ -83,17 +84,21 @@ def main(argv: list[str] | None = None) -> int:
     if options.modes is not None:
         speculative["load"] = [m for m in options.modes.split(",") if m]
     args = {"model_dir": options.model_dir, "engine": {"device": options.device, "speculative": speculative}}
+    from deployments.settings import ServeSettings
+    from engine.model.bundle import Bundle
+
+    model = Bundle.load(ServeSettings.model_validate(args).bundle_dir()).name
     serve_local(args, options.port, options.host)
     base = f"http://{options.host}:{options.port}"
     dashboard = info.get("dashboard_url") or ""
     print(f"\nspecserve is up after {time.monotonic() - started:.0f} s", flush=True)
-    print(f"  OpenAI API:     {base}/v1   (model 'specserve', default mode {options.default_mode})")
+    print(f"  OpenAI API:     {base}/v1   (model '{model}', default mode {options.default_mode})")
     if dashboard:
         print(f"  Ray dashboard:  {dashboard if dashboard.startswith('http') else 'http://' + dashboard}")
     print("  Try:\n"
-          f"    curl -s {base}/v1/completions -H 'Content-Type: application/json' \\\n"
-          "      -d '{\"model\": \"specserve\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 48, "
-          "\"temperature\": 0}'\n"
+          f"    curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+          "      -d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], "
+          "\"max_tokens\": 40, \"temperature\": 0}'\n"
           "  Ctrl-C stops it.", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -75,7 +75,7 @@ class _SamplingFields(_OpenAIModel):
         "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "metadata", "store",
         "service_tier", "prediction"})
 
-    model: str = Field(examples=["specserve"])
+    model: str | None = Field(None, examples=["SmolLM2-135M-Instruct"])  # optional, as vLLM's; checked when given
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)

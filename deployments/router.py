@@ -131,7 +131,7 @@ class Router:
         self.bundle = Bundle.load(self.settings.model_dir)
         self.tokenizer = TextTokenizer(self.bundle.target_dir)
         self.chat_template = ChatTemplate.from_model_dir(self.bundle.target_dir)
-        self.model_name = self.settings.served_model_name
+        self.model_name = self.settings.served_model_name or self.bundle.name
         self.target, self.proposers = target, proposers
         self.transport: ServeTransport | None = None
         self._ready: asyncio.Task | None = None
@@ -280,8 +280,8 @@ class Router:
         return {"prompt": self.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     # -- internals -----------------------------------------------------------------------
-    def _check_model(self, model: str) -> None:
-        if model != self.model_name:
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
             raise ApiError(404, f"model '{model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
 

@@ -13,19 +13,21 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engine.config import EngineConfig
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+from engine.model.default_model import PROJECT_ROOT, default_model_dir
 
 
 class ServeSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model_dir: str = Field("models/fixture", description="bundle with manifest.json; a relative path is looked up in the "
+    model_dir: str | None = Field(None, description="bundle with manifest.json (None: the default model, "
+                                  "SmolLM2-135M-Instruct, or $SPECSERVE_MODEL); a relative path is looked up in the "
                                                  "working directory, then in the project root")
     engine: EngineConfig = Field(default_factory=EngineConfig, description=(
         "the engine's configuration (engine/config.py); `engine.speculative.load` = the proposer kinds to "
         "deploy (None = every one the bundle provides), `engine.scheduler.lanes` = the router's tick loops"))
     max_tokens_cap: int | None = Field(None, ge=1, description="largest max_tokens accepted; None = the context")
-    served_model_name: str = "specserve"
+    served_model_name: str | None = Field(None, description=(
+        "the model id of /v1/models and of responses; None = the bundle's name (its manifest's, else its directory's)"))
     api_key_env: str = Field("SPECSERVE_API_KEY", description="environment variable holding the API key; "
                              "unset or empty = no authentication. The key itself never goes in this config")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest accepted request body")
@@ -46,6 +48,8 @@ class ServeSettings(BaseModel):
         "cluster.local), e.g. {'Eagle3Proposer': {'autoscaling_config': {...}}}; config files use `deployments:`")
 
     def bundle_dir(self) -> Path:
+        if self.model_dir is None:
+            return default_model_dir().resolve()
         path = Path(self.model_dir).expanduser()
         if path.is_absolute() or path.exists():
             return path.resolve()

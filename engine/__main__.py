@@ -1,4 +1,6 @@
-"""Command line: ``python -m engine generate --model models/fixture/target --prompt "def "``."""
+"""Command line: ``python -m engine chat --message "What is the capital of France?"`` (the
+default model, with its chat template) or ``python -m engine generate --prompt "def "``
+(raw text; ``--model`` names another bundle, e.g. ``models/fixture``)."""
 from __future__ import annotations
 
 import argparse
@@ -17,9 +19,19 @@ from engine.spec.sequence import TokenEvent
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m engine", description="specserve in-process engine")
     commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="generate text from a prompt and print it with its speed")
-    gen.add_argument("--model", required=True, help="model directory, e.g. models/fixture/target")
+    gen = commands.add_parser("generate", help="continue a raw text prompt and print it with its speed")
     gen.add_argument("--prompt", required=True)
+    chat = commands.add_parser("chat", help="answer one chat message (the model's chat template) with its speed")
+    chat.add_argument("--message", required=True, help="the user's message")
+    chat.add_argument("--system", default=None, help="a system message before it")
+    for sub in (gen, chat):
+        _add_common(sub)
+    return parser
+
+
+def _add_common(gen: argparse.ArgumentParser) -> None:
+    gen.add_argument("--model", default=None, help="bundle or model directory (default: the default model, "
+                     "SmolLM2-135M-Instruct; models/fixture is the test fixture)")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-k", type=int, default=0)
@@ -36,7 +48,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     gen.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
     gen.add_argument("--no-stream", action="store_true", help="print the text only when finished")
-    return parser
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -59,8 +70,14 @@ def generate(args: argparse.Namespace) -> int:
         sys.stdout.write(event.text)
         sys.stdout.flush()
 
-    sys.stdout.write(args.prompt)
-    result = engine.generate(args.prompt, options, on_token=None if args.no_stream else stream)
+    on_token = None if args.no_stream else stream
+    if args.command == "chat":
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+            [{"role": "user", "content": args.message}]
+        result = engine.chat(messages, options, on_token=on_token)
+    else:
+        sys.stdout.write(args.prompt)
+        result = engine.generate(args.prompt, options, on_token=on_token)
     if args.no_stream:
         sys.stdout.write(result.text)
     print()

@@ -1,7 +1,8 @@
 """The in-process engine: the round coordinator over a local transport.
 
-``Engine("models/fixture")`` (a bundle with ``manifest.json``) or ``Engine("models/fixture/target")``
-(a model directory; its parent's manifest, if any, names the draft and heads).
+``Engine()`` serves the default model (SmolLM2-135M-Instruct, converted at install);
+``Engine("models/fixture")`` a bundle with ``manifest.json``, ``Engine("models/fixture/target")``
+a model directory (its parent's manifest, if any, names the draft and heads).
 
 This is the embedded mode of the very scheduler the server runs (vLLM's in-process
 client of one engine core): ``RoundCoordinator`` admits, batches and retires requests;
@@ -24,6 +25,8 @@ from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.model.bundle import resolve_model_path
 from engine.model.cached_decoder import CachedDecoder
+from engine.model.chat import ChatTemplate
+from engine.model.default_model import default_model_dir
 from engine.model.tokenizer import TextTokenizer
 from engine.options import GenerationOptions
 from engine.sched.coordinator import RoundCoordinator
@@ -62,10 +65,11 @@ class GenerationResult:
 
 
 class Engine:
-    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+    def __init__(self, model_dir: str | Path | None = None, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
-        target_dir, self.bundle = resolve_model_path(Path(model_dir))
+        target_dir, self.bundle = resolve_model_path(Path(model_dir) if model_dir is not None else default_model_dir())
         self.target = CachedDecoder(target_dir, config, owns_cores=True)
+        self.chat_template = ChatTemplate.from_model_dir(target_dir)
         self.proposers: dict[str, LoadedProposer] = self._load_proposers()
         outputs = set(self.target.decoder.io.extra_outputs)
         self.needs: dict[str, Needs] = {mode: PROPOSER_KINDS[mode].needs(self.bundle, outputs)
@@ -133,6 +137,13 @@ class Engine:
         started = time.perf_counter()
         asyncio.run_coroutine_threadsafe(self._run(driver), self._event_loop()).result()
         return self._result(driver, started, stamps, time.perf_counter())
+
+    def chat(self, messages: Sequence[dict], options: GenerationOptions | None = None,
+             on_token: TokenCallback | None = None) -> GenerationResult:
+        """One assistant reply to ``messages`` (``[{"role": ..., "content": ...}]``), rendered
+        with the model's chat template and ending in its generation prompt, as vLLM's
+        ``LLM.chat`` and the server's ``/v1/chat/completions``."""
+        return self.generate(self.chat_template.render(messages), options, on_token)
 
     async def _run(self, driver: SequenceDriver) -> None:
         try:

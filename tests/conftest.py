@@ -46,6 +46,14 @@ def bundle_engine() -> Engine:
         yield engine
 
 
+@pytest.fixture(scope="session")
+def default_engine() -> Engine:
+    """The default model (SmolLM2-135M-Instruct, converted by scripts/install.sh): what
+    ``Engine()`` serves with no argument."""
+    with Engine(config=CPU_CONFIG) as engine:
+        yield engine
+
+
 @pytest.fixture
 def make_engine():
     """``make_engine(path, config)``: an engine of the test's own, closed after the test."""
@@ -84,7 +92,7 @@ def running_server(args: dict | None = None, env: dict[str, str] | None = None, 
                 else value
         return out
 
-    defaults = {"model_dir": "models/fixture",
+    defaults = {"model_dir": "models/fixture", "served_model_name": "specserve",
                 "engine": {"device": "cpu", "speculative": {"default_mode": "eagle3", "adaptive": False}}}
     saved = {key: os.environ.get(key) for key in env or {}}
     os.environ.update(env or {})

@@ -58,7 +58,7 @@ def test_a_shipped_config_passes_serves_schema_and_names_only_deployments_the_bu
         assert "TargetModel" in named and "Router" in named
 
 
-def test_serve_run_serves_the_shipped_config(tmp_path, bundle_engine, heldout_prompts):
+def test_serve_run_serves_the_shipped_config(tmp_path, default_engine):
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     port = free_port()
     config["http_options"]["port"] = port  # the shipped file's 8000 may be taken here
@@ -83,12 +83,13 @@ def test_serve_run_serves_the_shipped_config(tmp_path, bundle_engine, heldout_pr
             assert time.monotonic() < deadline, "serve run did not become healthy in 240 s"
             time.sleep(2)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
-        response = client.completions.create(model="specserve", prompt=heldout_prompts[0], max_tokens=16,
-                                             temperature=0, extra_body={"return_token_ids": True})
-        expected = bundle_engine.generate(heldout_prompts[0], GenerationOptions(max_new_tokens=16,
-                                                                                speculative_mode="eagle3"))
-        assert response.model_extra["speculative"]["mode"] == "eagle3"  # the config's default mode
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        response = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=16,
+                                                  temperature=0, extra_body={"return_token_ids": True})
+        expected = default_engine.chat(messages, GenerationOptions(max_new_tokens=16, temperature=0))
+        assert response.model_extra["speculative"]["mode"] == default_engine.default_mode  # the config's "auto"
         assert response.choices[0].model_extra["token_ids"] == expected.token_ids
+        assert response.choices[0].message.content == "The capital of France is Paris."
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGINT)  # as Ctrl-C: Serve and its Ray shut down

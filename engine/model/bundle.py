@@ -22,6 +22,11 @@ class Bundle:
         return cls(directory, BundleManifest.load(directory))
 
     @property
+    def name(self) -> str:
+        """What the server calls the model (``/v1/models``) unless told otherwise."""
+        return self.manifest.name or self.directory.resolve().name
+
+    @property
     def target_dir(self) -> Path:
         return self.directory / self.manifest.models["target"].directory
 

@@ -1,0 +1,129 @@
+"""The default model, SmolLM2-135M-Instruct converted from its GGUF at install, as a user
+meets it: ``Engine()`` with no argument, the chat call, every mode it serves
+token-identical to target-only, in-process and through the server, and the modes it
+has no head for refused clearly. (Its agreement with transformers' own load of the GGUF
+is in ``tests/convert/test_default_model.py``, which needs torch.)"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from engine import GenerationOptions, InvalidRequestError
+from engine.model.bundle import Bundle
+from engine.model.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
+from modelbuild.default_model import SMOLLM2
+from modelbuild.from_gguf.checkpoint import GgufCheckpoint
+from modelbuild.fused_graph import _Graph
+from modelbuild.from_gguf.weights import ExternalData, GgufWeights
+
+from .conftest import running_server
+
+ROOT = Path(__file__).resolve().parents[1]
+NEW_TOKENS = 32
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def chats() -> list[list[dict]]:
+    return [p["messages"] for p in json.loads((ROOT / "tests/data/heldout_chat_prompts.json").read_text())]
+
+
+def test_the_bundle_records_the_gguf_it_was_converted_from():
+    bundle = Bundle.load(DEFAULT_MODEL_DIR)
+    record = bundle.manifest.models["target"].converted
+    assert bundle.name == DEFAULT_MODEL_NAME
+    assert record.sha256 == SMOLLM2.gguf_sha256 and record.source == SMOLLM2.source
+    assert bundle.manifest.eos_token == "<|im_end|>" and bundle.manifest.eos_token_id == 2
+
+
+def test_engine_with_no_argument_answers_a_chat_question_correctly(default_engine):
+    result = default_engine.chat(CAPITAL, GenerationOptions(max_new_tokens=40, temperature=0))
+    assert result.text == "The capital of France is Paris."
+    assert result.finish_reason == "stop" and result.token_ids[-1] == 2  # <|im_end|> ends the turn
+    assert default_engine.bundle.directory.resolve() == DEFAULT_MODEL_DIR.resolve()
+
+
+def test_every_mode_it_serves_is_token_identical_to_target_only(default_engine, chats):
+    assert default_engine.available_modes == ["none", "prompt_lookup"]
+    base = GenerationOptions(max_new_tokens=NEW_TOKENS, temperature=0)
+    expected = [default_engine.chat(c, base.model_copy(update={"speculative_mode": "none"})).token_ids for c in chats]
+    for mode in default_engine.available_modes[1:]:
+        for adaptive in (False, True):
+            options = base.model_copy(update={"speculative_mode": mode, "adaptive_speculation": adaptive})
+            assert [default_engine.chat(c, options).token_ids for c in chats] == expected, (mode, adaptive)
+
+
+def test_a_mode_without_a_head_for_this_model_is_refused_by_name(default_engine):
+    for mode in ("draft_model", "mtp", "eagle3", "shared_kv"):
+        with pytest.raises(InvalidRequestError, match=mode):
+            default_engine.chat(CAPITAL, GenerationOptions(max_new_tokens=4, speculative_mode=mode))
+
+
+def test_the_q4_1_blocks_are_carried_over_exactly():
+    """One Q4_1 projection through ``MatMulNBits`` plus the block-sum correction equals the
+    product with the file's dequantised weights (float64 reference)."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from modelbuild.default_model import cached_gguf
+
+    checkpoint = GgufCheckpoint(cached_gguf())
+    name = "model.layers.3.mlp.down_proj.weight"
+    tensor = checkpoint.tensor(name)
+    assert tensor.encoding == "Q4_1"
+    rows, width = tensor.shape
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        store = ExternalData(Path(scratch) / "w.data")
+        g = _Graph()
+        GgufWeights(checkpoint, store, "q4_1").linear(g, "x", [name], [rows], width, output="y")
+        store.close()
+        graph = helper.make_graph(g.nodes, "one", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, width])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, rows])], g.initializers)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid("com.microsoft", 1)])
+        model.ir_version = 11
+        path = Path(scratch) / "one.onnx"
+        onnx.save(model, str(path))
+        x = np.random.default_rng(0).standard_normal((1, 3, width)).astype(np.float32) * 10
+        got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    expected = x.astype(np.float64) @ tensor.dequantize().astype(np.float64).T
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
+
+
+@pytest.fixture(scope="module")
+def served():
+    args = {"model_dir": str(DEFAULT_MODEL_DIR), "served_model_name": None,
+            "engine": {"speculative": {"default_mode": "auto", "adaptive": True}}}
+    with running_server(args) as url:
+        yield url
+
+
+def test_served_chat_names_the_model_and_matches_the_engine_in_every_mode(served, default_engine, chats):
+    client = openai.OpenAI(base_url=f"{served}/v1", api_key="none", max_retries=0, timeout=120)
+    assert [m.id for m in client.models.list().data] == [DEFAULT_MODEL_NAME]
+    answer = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=CAPITAL, max_tokens=40, temperature=0)
+    assert answer.choices[0].message.content == "The capital of France is Paris."
+    assert answer.model == DEFAULT_MODEL_NAME and answer.choices[0].finish_reason == "stop"
+    options = GenerationOptions(max_new_tokens=NEW_TOKENS, temperature=0)
+    for messages in chats[:4]:
+        expected = default_engine.chat(messages, options).token_ids
+        for mode in ("none", "prompt_lookup"):
+            response = client.chat.completions.create(
+                model=DEFAULT_MODEL_NAME, messages=messages, max_tokens=NEW_TOKENS, temperature=0,
+                extra_body={"speculative_mode": mode, "return_token_ids": True})
+            assert response.choices[0].model_extra["token_ids"] == expected, mode
+
+
+def test_served_requests_for_a_mode_without_a_head_get_a_400_naming_it(served):
+    response = httpx.post(f"{served}/v1/chat/completions", timeout=30,
+                          json={"messages": CAPITAL, "max_tokens": 4, "speculative_mode": "eagle3"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert "eagle3" in error["message"] and error["param"] == "speculative_mode"
