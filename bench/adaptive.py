@@ -2,7 +2,7 @@
 streams, in-process, in one run.
 
     .venv/bin/python bench/adaptive.py [--concurrency 1 4 16 32] [--modes ...] [--new-tokens 48]
-                                       [--requests 8] [--repeats 7] [--threads 2]
+                                       [--requests 8] [--repeats 7] [--threads 2] [--record DIR]
 
 Each cell is ``concurrency`` threads calling ``Engine.generate`` at once, for a few
 held-out prompts (greedy, EOS ignored; at least ``--requests`` per cell), after a
@@ -51,6 +51,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import record  # noqa: E402
 from engine import Engine, EngineConfig, GenerationOptions  # noqa: E402
 
 MODES = ["prompt_lookup", "draft_model", "mtp", "eagle3", "shared_kv"]
@@ -92,7 +93,13 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu")
+    record.add_option(parser)
     args = parser.parse_args()
+    with record.recording(args.record, "adaptive", model=args.models):
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     prompts = [p["prompt"] for p in json.loads((ROOT / "tests/data/heldout_prompts.json").read_text())]
     engine = Engine(args.models, EngineConfig(device=args.device, intra_op_threads=args.threads))
     base = GenerationOptions(max_new_tokens=args.new_tokens, ignore_eos=True, num_speculative_tokens=args.k)

@@ -1,6 +1,7 @@
 """Distributed server (Ray Serve, real HTTP) vs. the in-process engine, on the bundled models.
 
     .venv/bin/python bench/distributed.py [--modes none eagle3] [--new-tokens 64] [--streams 1 4 16] [--lanes 2]
+        [--record DIR]
 
 For each concurrency it runs that many streaming requests at once (held-out prompts,
 greedy, EOS ignored) -- in-process through ``Engine.generate`` from threads (continuous
@@ -28,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import record  # noqa: E402
 from engine import Engine, EngineConfig, GenerationOptions  # noqa: E402
 
 
@@ -166,7 +168,13 @@ def main() -> None:
     parser.add_argument("--plain-steps", type=int, default=None,
                         help="scheduler.plain_steps on both sides (default: the engine's)")
     parser.add_argument("--port", type=int, default=8311)
+    record.add_option(parser)
     args = parser.parse_args()
+    with record.recording(args.record, "distributed", model=ROOT / "models/fixture"):
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     prompts = [p["prompt"] for p in json.loads((ROOT / "tests/data/heldout_prompts.json").read_text())]
     used = {prompts[i % len(prompts)] for i in range(max(args.streams) * args.requests_per_stream)}
 

@@ -1,7 +1,7 @@
 """specserve against onnxruntime-genai's plain greedy loop on the same weights, in one run.
 
     bash bench/peer/setup.sh            # once: .venv-peer + the genai build of models/fixture/target
-    .venv/bin/python bench/peer_genai.py [--prompts 10] [--new-tokens 64] [--threads 2] [--repeats 3]
+    .venv/bin/python bench/peer_genai.py [--prompts 10] [--new-tokens 64] [--threads 2] [--repeats 3] [--record DIR]
 
 The peer is onnxruntime-genai 0.18, its model builder run on the bundle's own
 ``models/fixture/target/model.safetensors``, generating greedily in its own process (it needs plain
@@ -39,6 +39,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import record  # noqa: E402
 from engine import Engine, EngineConfig, GenerationOptions  # noqa: E402
 from speculative import MODES, step_costs  # noqa: E402  (bench/ is on sys.path when run as a file)
 
@@ -227,8 +228,13 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    record.add_option(parser)
     args = parser.parse_args()
+    with record.recording(args.record, "peer_genai", model=args.models):
+        run(args)
 
+
+def run(args: argparse.Namespace) -> None:
     texts = [p["prompt"] for p in json.loads((ROOT / "tests/data/heldout_prompts.json").read_text())][: args.prompts]
     engine = Engine(args.models, EngineConfig(device="cpu", intra_op_threads=args.threads))
     prompts = [engine.target.encode_prompt(text) for text in texts]

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/soak.py [--url http://127.0.0.1:8000] [--concurrency 64] [--minutes 5] [--max-tokens 48]
         [--modes none,prompt_lookup,draft_model,mtp,eagle3,shared_kv] [--check-fraction 1.0]
-        [--start-server] [--port 8000] [--json PATH]
+        [--start-server] [--port 8000] [--json PATH] [--record DIR]
 
 A short benchmark shows speed; a soak shows what only long, mixed load shows: requests
 that fail under pressure, outputs that drift when many sequences share a batch, KV
@@ -49,6 +49,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import record
 from engine import Engine, EngineConfig, GenerationOptions, SpeculativeConfig
 from engine.options import SPECULATIVE_MODES
 
@@ -296,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start-server", action="store_true", help="start Ray + specserve here, on --port")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--json", type=Path, default=None, help="also write the summary as JSON here")
+    record.add_option(parser)
     args = parser.parse_args(argv)
     if not 0.0 <= args.check_fraction <= 1.0:
         parser.error(f"--check-fraction must be in [0, 1], got {args.check_fraction}")
@@ -304,13 +306,14 @@ def main(argv: list[str] | None = None) -> int:
             check_loopback(args.url)
         except ValueError as exc:
             parser.error(str(exc))
-    with local_server(args.port) if args.start_server else nullcontext(args.url) as url:
-        try:
-            summary = run_soak(url, args.concurrency, args.minutes * 60, args.max_tokens, args.modes,
-                               args.check_fraction)
-        except httpx.HTTPError as exc:  # /specserve/status unreachable: no server there
-            parser.exit(2, f"{parser.prog}: cannot read {url}/specserve/status: {type(exc).__name__}: {exc}\n")
-    print(format_summary(summary), flush=True)
+    with record.recording(args.record, "soak", model=ROOT / "models/fixture" if args.start_server else None):
+        with local_server(args.port) if args.start_server else nullcontext(args.url) as url:
+            try:
+                summary = run_soak(url, args.concurrency, args.minutes * 60, args.max_tokens, args.modes,
+                                   args.check_fraction)
+            except httpx.HTTPError as exc:  # /specserve/status unreachable: no server there
+                parser.exit(2, f"{parser.prog}: cannot read {url}/specserve/status: {type(exc).__name__}: {exc}\n")
+        print(format_summary(summary), flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(summary, indent=2) + "\n")
     return 0 if summary["ok"] else 1

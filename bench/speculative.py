@@ -1,6 +1,6 @@
 """Speculative vs. target-only decoding on the bundled models, in-process, batch 1.
 
-    .venv/bin/python bench/speculative.py [--prompts 10] [--new-tokens 64] [--k 4] [--threads 2]
+    .venv/bin/python bench/speculative.py [--prompts 10] [--new-tokens 64] [--k 4] [--threads 2] [--record DIR]
 
 For each mode it decodes the same held-out prompts greedily (EOS ignored) and prints
 decode tokens/s, the speedup over target-only measured in this same run, tau (tokens
@@ -22,6 +22,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import record  # noqa: E402
 from engine import Engine, EngineConfig, GenerationOptions  # noqa: E402
 from engine.spec.proposers.base import ProposerContext  # noqa: E402
 from engine.spec.proposers.shared_kv import shared_kv_slices  # noqa: E402
@@ -99,7 +100,13 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="drafts per round")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="auto")
+    record.add_option(parser)
     args = parser.parse_args()
+    with record.recording(args.record, "speculative", model=args.models):
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     prompts = [p["prompt"] for p in json.loads((ROOT / "tests/data/heldout_prompts.json").read_text())][: args.prompts]
     engine = Engine(args.models, EngineConfig(device=args.device, intra_op_threads=args.threads))
     print(f"{len(prompts)} held-out prompts x {args.new_tokens} tokens, greedy, k={args.k}, "

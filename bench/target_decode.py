@@ -1,6 +1,6 @@
 """Baseline: target-only decode speed of the bundled target, in-process, batch 1.
 
-    .venv/bin/python bench/target_decode.py [--prompts 8] [--new-tokens 64] [--threads 2]
+    .venv/bin/python bench/target_decode.py [--prompts 8] [--new-tokens 64] [--threads 2] [--record DIR]
 
 Prints per-prompt and aggregate tokens/s (decode only, and including prefill) plus the
 median single-token step latency, so later speculative benchmarks have a number to
@@ -18,6 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import record  # noqa: E402
 from engine import Engine, EngineConfig, GenerationOptions  # noqa: E402
 
 
@@ -28,8 +29,13 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="auto")
+    record.add_option(parser)
     args = parser.parse_args()
+    with record.recording(args.record, "target_decode", model=args.model):
+        run(args)
 
+
+def run(args: argparse.Namespace) -> None:
     prompts = [p["prompt"] for p in json.loads((ROOT / "tests/data/heldout_prompts.json").read_text())][: args.prompts]
     engine = Engine(args.model, EngineConfig(device=args.device, intra_op_threads=args.threads))
     options = GenerationOptions(max_new_tokens=args.new_tokens, ignore_eos=True, speculative_mode="none")
