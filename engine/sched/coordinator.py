@@ -127,7 +127,7 @@ class RoundCoordinator:
 
     Admission reserves each request's worst case (``SequenceDriver.kv_tokens``) before
     its first round, waiting for room; a round can then never run out of KV, so there is
-    no preemption and no recomputation (README "One scheduler" says why).
+    no preemption and no recomputation (docs/architecture.md says why).
     A proposer that fails or stalls costs speed, never correctness: its sequences run
     rounds without drafts for ``proposer_backoff_s``, then try again (a replacement
     replica re-syncs from the whole context).
@@ -399,8 +399,8 @@ class RoundCoordinator:
             # A call that hands a worker a whole context (a sequence's first round, or a
             # resync) pays a draft model's prefill, and one after rounds without drafts pays
             # its catch-up on their tokens: neither is what a round's drafts cost, so such a
-            # call prices catch-up tokens instead. (Charged as drafting, a catch-up once kept
-            # draft_model at k = 0 at one stream: no drafts, so no cheaper call corrected it.)
+            # call prices catch-up tokens instead. (Charged as drafting, a catch-up would keep a
+            # draft model from drafting, and then no cheaper drafting call would correct it.)
             if self.draft_lengths is not None:
                 drafts = [item.width - 1 for _, item in pairs]
                 behind = sum(tokens_behind(item.since, len(item.new_tokens), run.driver.num_drafts)

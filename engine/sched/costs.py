@@ -64,8 +64,7 @@ class VerifyCostTable:
 
 SPLIT_MARGIN = 0.4  # a split must be predicted this much cheaper: it moves the drafting sequences'
                     # pasts into a batch layout of their own and back, copies the table does not time
-                    # (at 0: splitting a round around one exploring draft cost adaptive rounds 1-6 %
-                    # at 16 and 32 streams; at 0.25 still ~5 % for shared_kv at 16)
+                    # (docs/design-decisions.md measures the margins tried)
 
 
 def verify_groups(widths: Sequence[int], table: VerifyCostTable | None) -> list[list[int]]:
@@ -73,12 +72,11 @@ def verify_groups(widths: Sequence[int], table: VerifyCostTable | None) -> list[
     every sequence to the longest one's rows), or the sequences without drafts in one
     call and those with drafts in another, whichever ``table`` predicts cheaper.
 
-    At a large batch a CPU pass is compute-bound: one sequence's four drafts padded all
-    32 sequences to five rows (measured 45 ms against 11 ms plain), so a few drafting
-    sequences made a round dearer than plain decoding; run apart, they cost a small
-    call (pinned prompt lookup, whose drafts come and go per sequence: +9-14 % tokens/s
-    at 16 streams, +21-29 % at 32). At a small batch the second call's fixed cost wins
-    and one padded call stays. The draft-length planner still costs a round padded:
+    At a large batch a CPU pass is compute-bound: one sequence's drafts pad every
+    sequence to its rows, so a few drafting sequences make a round dearer than plain
+    decoding; run apart, they cost a small call (it pays most for pinned prompt lookup,
+    whose drafts come and go per sequence: docs/design-decisions.md). At a small batch
+    the second call's fixed cost wins and one padded call stays. The draft-length planner still costs a round padded:
     with the margin a split is only ever cheaper than that. Indices in ``widths`` order."""
     everyone = list(range(len(widths)))
     plain = [i for i, w in enumerate(widths) if w == 1]
@@ -111,8 +109,8 @@ def measure_verify_costs(target: CachedDecoder, max_batch: int, repeats: int = 2
                 requests = [FeedRequest(seq, rng.integers(0, vocab, rows).tolist(), CALIBRATION_PAST)
                             for seq in ids[:batch]]
                 best = float("inf")
-                # The first call of a new shape pays onnxruntime's allocation planning (a
-                # 1-token step timed 3.0 ms first and 1.9 ms after): warm each shape untimed.
+                # The first call of a new shape pays onnxruntime's allocation planning, which
+                # no later call pays: warm each shape untimed.
                 for attempt in range(repeats + 1):
                     started = time.perf_counter()
                     target.feed_batch(requests)
@@ -135,18 +133,17 @@ def load_bucket(sequences: int) -> int:
 
 MIN_SLOPE, MAX_SLOPE = 0.5, 4.0  # real seconds per table second between plain and drafting calls
 OUTLIER = 2.0  # once a kind has MIN_KIND_CALLS samples, one counts as at most this many times what
-               # it predicts: one batch-1 drafting call ~25 ms slow (a hiccup of the machine),
-               # learnt whole, priced such calls at 6 ms against 3.5 ms, and with no drafting
-               # rounds after it nothing corrected that for the rest of the request
+               # it predicts: one slow call (a hiccup of the machine), learnt whole, can price a
+               # kind of call out, and then no call of that kind comes to correct it
 OVERHEAD_FLOOR = 0.0005  # seconds: an overhead learnt near 0 may still grow by OUTLIER x this a sample
 MIN_SEVERAL_CALLS = 2  # calls of several plain rounds before they price such calls: the prior below
     # is optimistic (further rounds at the table's own figure; real pasts are longer than the
-    # calibration's, and at 16 streams in-process such calls ran 1.17-1.36x it), and each call
-    # until then is a choice made on it (a call of 8 rounds times steadier than a single round)
+    # calibration's), and each call until then is a choice made on it (a call of several
+    # rounds times steadier than a single round)
 MIN_CATCH_UP_CALLS = 3  # proposer calls that carried catch-ups before their learnt price replaces the prior
 MIN_KIND_CALLS, MIN_KIND_SHARE = 8, 0.05  # a kind of call rarer than this in its bucket is an odd one
     # (for a head that always drafts, a plain call is a sequence's first after its prefill, which
-    # copies its past into the batch layout: at 32 streams it priced plain rounds 2.4x too dear)
+    # copies its past into the batch layout: learnt, it would price plain rounds far too dear)
 
 
 class VerifyCostModel:
@@ -158,10 +155,10 @@ class VerifyCostModel:
     calls carry a fixed part per sequence (the worker's per-sequence verification work,
     a hop) that does not grow with rows, and a part that scales with the table (real
     pasts are longer than the calibration's, the machine's speed drifts). Priced only as
-    an offset learnt from plain calls -- nearly every call at 32 streams -- a padded
-    drafting call came out at 31 ms against 45 ms measured, and the plan drafted for whole
-    batches where plain rounds were faster; priced only as a ratio, the fixed part made
-    plain calls look dear and drafting cheap. Until a bucket has seen enough of both kinds,
+    an offset learnt from plain calls -- nearly every call at a large batch -- a padded
+    drafting call comes out cheaper than it runs, and plans draft for whole batches where
+    plain rounds are faster; priced only as a ratio, the fixed part makes plain calls
+    look dear and drafting cheap. Until a bucket has seen enough of both kinds,
     the one it has seen scales the table. A call the target split (``verify_groups``) is not the
     padded call the planner prices, so it teaches neither kind."""
 
@@ -173,7 +170,7 @@ class VerifyCostModel:
         # bucket -> ((table seconds, real seconds) averaged, calls) of calls of several plain rounds
         self.several: dict[int, tuple[tuple[float, float], int]] = {}
         # bucket -> its ``_kinds``, until the next call is learnt: a plan prices a dozen
-        # calls of one bucket, and recounting the kinds for each was a third of its time
+        # calls of one bucket, and the kinds change only when a call is learnt
         self._known_kinds: dict[int, tuple] = {}
 
     def _kinds(self, batch: int):
@@ -203,8 +200,7 @@ class VerifyCostModel:
 
     def call_prices(self, batch: int) -> Callable[[int], float]:
         """``call`` at one batch size, as a function of rows, with the bucket's line and
-        kinds looked up once: a plan prices each cap of its call, and looking them up
-        again for every cap was a third of a one-stream plan's time."""
+        kinds looked up once: a plan prices each cap of its call at the same batch size."""
         table, line = self.table.predict, self._line(batch)
         if line is not None:
             t0, r0, slope = line
@@ -223,12 +219,10 @@ class VerifyCostModel:
         bucket once seen; before, a plain call (its fixed part: a hop, the worker's own
         work) and each further round at the table's own figure, timed in the worker
         without a hop. (Not at the plain-to-drafting line's slope: at batch 1 a drafting
-        call differs from a plain one mostly by its object-store traffic, not by rows, and
-        that slope priced a further round at 4x the table through the server, where eight
-        plain rounds a call ran 1.5x faster than drafting.) Plus every round's overhead:
-        committing and streaming its tokens is still paid per round -- counted once, the
-        saving priced plain rounds in-process ~5 % cheaper at 16 streams, where they ran
-        ~1 % faster, and heads drafted less than they should."""
+        call differs from a plain one mostly by its object-store traffic, not by rows, so
+        through the server that slope would price further rounds several times too dear.)
+        Plus every round's overhead: committing and streaming its tokens is paid per round,
+        not per call, and counted once it would make plain rounds look cheaper than they run."""
         table = self.table.predict(batch, batch)
         if self.several_known(batch):
             (mean_table, mean_real), _ = self.several[load_bucket(batch)]
@@ -278,11 +272,10 @@ class VerifyCostModel:
 
     def observe_overhead(self, batch: int, seconds: float) -> None:
         """A round of ``batch`` sequences spent ``seconds`` outside its proposer and
-        target calls: planning, committing and streaming what came back (at 32 streams
-        here 0.5-0.9 ms a plain round, 1.2-3.7 ms a drafting one). One value per bucket,
-        learnt from every round: kept per kind, a drafting overhead inflated once (a
-        round at the tail of a busy run) stopped drafting, and rounds without drafts
-        never corrected it."""
+        target calls: planning, committing and streaming what came back. One value per
+        bucket, learnt from every round: kept per kind, a drafting overhead inflated once
+        (a round at the tail of a busy run) would stop drafting, and rounds without drafts
+        would never correct it."""
         bucket = load_bucket(batch)
         seen = self.overheads.get(bucket)
         if seen is not None and seen[1] >= MIN_KIND_CALLS:
@@ -367,10 +360,10 @@ class DraftCostModel:
         seconds = min(seconds, OUTLIER * max(table + self.overhead.get(key, 0.0), OVERHEAD_FLOOR))
         residual = seconds - table
         # From the table up, never from the first call: calls are only observed while a
-        # mode drafts, so an overestimate stops the calls that would correct it. One slow
-        # first call (a new shape's allocation planning, a busy moment: 4.2 ms over a
-        # 0.8 ms head call at batch 1) once stopped one-stream drafting for whole requests.
-        # An underestimate keeps the mode drafting, and so is learnt away.
+        # mode drafts, so an overestimate stops the calls that would correct it, and one
+        # slow first call (a new shape's allocation planning, a busy moment) would stop
+        # drafting for whole requests. An underestimate keeps the mode drafting, and so is
+        # learnt away.
         self.overhead[key] = (1 - self.smoothing) * self.overhead.get(key, 0.0) + self.smoothing * residual
 
     def catch_up_token(self, mode: str, prior_steps: float) -> float:
@@ -387,9 +380,9 @@ class DraftCostModel:
                          seconds: float) -> None:
         """A call drafting as ``observe`` says also fed ``catch_up_tokens`` the draft model
         had missed: what it cost beyond the call's own prediction is their price. Learnt as
-        a ratio of running sums, so that a prompt of 85 tokens weighs more than a lag of 3,
-        whose residual is mostly noise. (Priced at a fixed 0.15 of a step, a first contact at
-        32 streams -- 32 prompts of ~85 tokens -- came out at half the ~60 ms it measured.)"""
+        a ratio of running sums, so that a whole prompt weighs more than a lag of a few
+        tokens, whose residual is mostly noise. (The fixed prior underprices a large batch's
+        first contacts: docs/adaptive-speculation.md.)"""
         if mode not in self.coefficients or n <= 0 or catch_up_tokens <= 0:
             return
         residual = max(0.0, seconds - self.predict(mode, n, steps, draft_tokens))

@@ -11,11 +11,9 @@ the mean expected time per token over the batch's requests, T(plan) * mean_s 1 /
     T(plan) = T_verify(batch, rows) + sum_mode T_draft(mode, steps)
 
 Every sequence in a call waits for the whole call, so drafting rows for some make the
-others slower; the mean time per token is what each request sees. Maximising the
-batch's tokens per second instead let a plan speed up the sequences that found drafts
-at the others' expense: prompt lookup and the draft model at 16 streams drafted for
-half a batch and ran at 0.93-0.95 of plain decoding, against 0.96-0.99 with this
-objective (same process, interleaved).
+others slower; the mean time per token is what each request sees. The batch's tokens
+per second would reward a plan that speeds up the sequences that found drafts at the
+others' expense (``docs/adaptive-speculation.md`` compares the two objectives).
 
 ``alpha_s,j`` is the sequence's live acceptance of draft position j given the drafts
 before it were accepted, shrunk toward its mode's average while the sequence has few
@@ -38,32 +36,30 @@ MODE_PRIOR_WEIGHT = 4.0  # rounds' worth of weight that prior keeps in a mode's 
 PRIOR_WEIGHT = 8.0       # rounds' worth of weight the mode average keeps in a sequence's estimate
 MODE_DECAY = 0.995       # per recorded round: a mode's average follows the current traffic
 MIXED_PLAN_MARGIN = 0.05  # a plan between "no drafts" and "every maximum" must be predicted this much
-                          # faster than the better of the two: the cost model is good to ~10 % here
+                          # faster than the better of the two: below the cost model's error, a pinned
+                          # k's plan is as good a guess (docs/adaptive-speculation.md)
 # Exploration: after EXPLORE_EVERY plans in a row in which a mode drafted short of its
 # maximum, in a call of EXPLORE_BATCH sequences, one sequence drafts one position deeper;
 # in proportion to the call's sequences otherwise (``explore_wait``), but after at least
 # EXPLORE_MIN. In a large call one exploring sequence costs the whole batch (a split
 # verify, a layout shuffled, a draft model's catch-up) and tells no more than in a small
-# one. Alone it costs a head step and a free row, and a request of 48 tokens lasts ~25
-# rounds: waiting 32 plans, one unlucky start (position 2 rejected three times) kept a
-# one-stream request at k = 1 to its end.
+# one. Alone it costs a head step and a row the pass has room for, and a request lasts a
+# few dozen rounds: a wait of EXPLORE_EVERY would let one unlucky start (position 2
+# rejected a few times) keep a one-stream request at one draft to its end.
 EXPLORE_EVERY, EXPLORE_BATCH, EXPLORE_MIN = 32, 4, 8
 SEVERAL_ROUNDS_MARGIN = 0.1  # several plain rounds in one call must be predicted this much faster than a
-                             # drafting plan: they skip that many chances to re-plan. Without it, at 4
-                             # streams, near the break-even, the draft model drafted 0.69 a token against
-                             # 0.86 with it (0.90 and 0.95 of fixed k, same bench)
+                             # drafting plan: they skip that many chances to re-plan, and near the
+                             # break-even a plan would otherwise swing to them on noise
 SEVERAL_PRIOR_MARGIN = 0.25  # ... and this much while they are priced from the prior (``VerifyCostModel.
-                             # plain_rounds``), which is optimistic at a large batch: at 32 streams it priced
-                             # 8 rounds at 105 ms where they ran 130-155, and plans at a wave's start chose
-                             # them over drafting rounds that ran faster a token (shared-KV, 0.94-0.98 of fixed k)
+                             # plain_rounds``), which underprices them at a large batch: real pasts are
+                             # longer than the calibration's (docs/adaptive-speculation.md)
 ENGAGE_MARGIN = 0.1      # see ``DraftLengthController._best``
 HELD_CALLS = 16          # calls whose plans are held at once (a lane and replica each); more: start over
 HOLD_GROWTH = 4          # a plan re-planned to itself holds twice as long each time, up to this many times
                          # ``replan_rounds`` (``DraftLengthController.plan``)
 CATCH_UP_STEPS = 0.15    # a draft model's step-equivalents per token of catch-up until calls that carried
                          # catch-ups have priced it (``DraftCostModel.catch_up_token``): it feeds them in one
-                         # batched pass (here a sequence's step, the table's, 0.06-0.11 ms; a catch-up
-                         # token 0.011-0.016 ms: 8 sequences aligning 12 and 42 tokens against 2)
+                         # batched pass, so a token costs a fraction of a step (docs/adaptive-speculation.md)
 
 
 def explore_wait(sequences: int) -> float:
@@ -181,8 +177,9 @@ class DraftLengthController:
         now and then (``_explore``).
 
         Planning is a tax where adaptive does what a pinned k does (one stream, a good
-        head): ~90 us a computed plan against a ~5 ms round (the process's caches are
-        cold after each onnxruntime run), so a plan is computed only when it can matter:
+        head): a computed plan is a measurable share of a one-stream round, the process's
+        caches being cold after each onnxruntime run (docs/adaptive-speculation.md), so a
+        plan is computed only when it can matter:
 
         - *Nothing to decide*: every sequence adaptive, none with drafts to verify (a
           prompt lookup that found nothing) and none on its last token -- a plain round,
@@ -191,9 +188,7 @@ class DraftLengthController:
           that call's plan for ``replan_rounds`` rounds; each time a re-plan comes out the
           same, the next one waits twice as long, up to ``HOLD_GROWTH`` times that (what a
           plan weighs, live acceptance and measured costs, moves little from one round to
-          the next; a sequence that joins or leaves plans afresh at once). Computing it
-          every round cost one-stream rounds 1.5-2 %; held for 4 rounds, ~1-1.5 % still
-          (median 88 us a computed plan, one in three MTP rounds).
+          the next; a sequence that joins or leaves plans afresh at once).
         - *Shrunk*: a held plan that drafts every maximum carries over when maxima only
           shrink (a request nearing its end, a prompt lookup finding fewer): every new
           maximum is what a pinned k would do, and a smaller round cannot make drafting
@@ -232,9 +227,7 @@ class DraftLengthController:
         sequences it has never seen only when that is predicted ``ENGAGE_MARGIN`` faster
         than the best plan without them: a draft model that drafts for a sequence first
         prefills it and then keeps up with it for the rest of the request, and that costs
-        more than its rounds' prices say. At fixed k, drafting every round, the draft model
-        ran 0.91-0.96 of target-only at 32 streams and 1.05 at 16, where the rounds'
-        prices had it 3-8 % and 18 % faster."""
+        more than its rounds' prices say (docs/adaptive-speculation.md measures by how much)."""
         ks, steps, rate = self._best_of(requests)
         new = [r.cold and r.mode not in self.draft_costs.restarting for r in requests]
         if any(k and cold for k, cold in zip(ks, new)):
@@ -274,9 +267,9 @@ class DraftLengthController:
         # Several plain rounds skip as many chances to draft: only where this round's plan
         # weighed drafts for every adaptive sequence, so that the plan, not the absence of
         # drafts, says no (a prompt lookup that found nothing this round may find some the next).
-        # A request on its last token counts as weighed: it ends this round whatever the plan
-        # (blocking on it, adaptive ran its wave's tail one plain round a call at 32 streams,
-        # 6.7 such calls a wave at 1.06 ms a token against 0.57 for target-only's tail).
+        # A request on its last token counts as weighed: it ends this round whatever the plan,
+        # and blocking on it would run a wave's tail one plain round a call, dearer a token
+        # than target-only's tail.
         several_ok = self.plain_steps > 1 and all(r.k_max > 0 or r.ending for r in requests if r.adaptive)
         several = None  # the batch's tokens/s over ``plain_steps`` plain rounds in one call, once asked
         for caps in choices:
@@ -288,8 +281,8 @@ class DraftLengthController:
                     margin = SEVERAL_ROUNDS_MARGIN if self.verify_costs.several_known(n) else SEVERAL_PRIOR_MARGIN
                     several = n * self.plain_steps / self.verify_costs.plain_rounds(n, self.plain_steps)
                 # At a tie (nothing of the call learnt yet: both priced from the table) run them
-                # several to a call, as target-only does: single plain rounds at a wave's tail
-                # cost 1.1 ms a token at 16 streams against 0.85 ms several to a call.
+                # several to a call, as target-only does: the call's fixed cost is then paid
+                # once for several tokens.
                 if several >= rate * (1 - 1e-9):  # weighed against drafting plans with a margin below
                     rate, steps = max(rate, several / (1 + margin)), self.plain_steps
             if all(c == 0 for c in caps) or all(c == top[m] for c, m in zip(caps, modes)):
@@ -317,7 +310,8 @@ class DraftLengthController:
         freezing at "not worth it". A draft model explored from 0 drafts one more round
         with the same sequence: the first call is a catch-up, not a measurement. A plan of
         ``steps`` plain rounds in one call counts as that many plans: the wait is in
-        rounds (one stream, 8 rounds a plan, it would otherwise outlast a request)."""
+        rounds (at one stream, with several plain rounds a call, a wait in plans would
+        outlast a request)."""
         waiting: dict[str, list[int]] = {}  # mode -> its adaptive sequences that could draft
         for i, r in enumerate(requests):
             if r.adaptive and r.k_max > 0:
@@ -351,10 +345,8 @@ class DraftLengthController:
 class _CallPricing:
     """One target call's plans priced from tables made once per ``plan``: each sequence's
     expected tokens for every k (prefix products of its alphas), its draft-model step and
-    catch-up, and the call's verify and proposer costs as functions bound once. A plan
-    weighs every cap of its call, and recomputing these per cap was a quarter of its
-    time at 16-32 sequences (warm: 120 -> 95 us a plan at 16, 186 -> 132 at 32; at one
-    sequence 39 -> 37, where the plan's fixed part dominates and holding it pays)."""
+    catch-up, and the call's verify and proposer costs as functions bound once: a plan
+    weighs every cap of its call, and none of these depends on the cap."""
 
     def __init__(self, controller: DraftLengthController, requests: Sequence[DraftRequest]) -> None:
         self.requests = requests

@@ -6,14 +6,15 @@ to the common prefix again.
 Every sequence has its own instance (its draft KV), but the instances of one worker
 share one draft model and its cache, so ``propose_batch`` drafts for all of them with one
 batched run per step: the alignment of every sequence in one call (or a few, below),
-then one call per draft position for the sequences still drafting. One by one, a round at 16 streams ran
-32 draft-model calls of ~0.3 ms each (drafting was dearer than plain decoding there);
-batched, as many calls as the longest sequence's drafts.
+then one call per draft position for the sequences still drafting. One by one, a round
+would make a call per sequence and draft, each paying a call's fixed cost, which at a
+large batch makes drafting dearer than plain decoding; batched, it makes as many calls
+as the longest sequence's drafts.
 
 A batched call pads every sequence to the one feeding most, and every fed row costs the
-draft's LM head: one sequence catching up 32 tokens in a call with 15 aligning 2 made it
-10.7 ms against 4.2 ms run apart. So the alignment runs in groups of similar lengths
-(``align_groups``).
+draft's LM head: one sequence catching up a long lag in a call with many aligning two
+tokens would make all of them pay for its lag. So the alignment runs in groups of
+similar lengths (``align_groups``).
 """
 from __future__ import annotations
 
@@ -131,8 +132,8 @@ class DraftModelProposer:
             self.draft.cache.free(self.seq_id)
 
 
-ALIGN_CALL_ROWS = 20  # a draft-model call's fixed cost in fed rows' worth (here ~0.3 ms a call,
-                     # ~0.015 ms a row at batch 16)
+ALIGN_CALL_ROWS = 20  # a draft-model call's fixed cost in fed rows' worth, as the bundled draft model
+                     # times them at a large batch (docs/models.md)
 
 
 def align_groups(lengths: dict[int, int]) -> list[list[int]]:
