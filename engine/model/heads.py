@@ -55,9 +55,9 @@ class LinearLmHead:
             raise ModelLoadError(f"LM head must be [vocab, hidden], got shape {weight.shape}")
         self.weight_t = np.ascontiguousarray(weight.T, dtype=np.float32)
         # onnxruntime's MatMul on the calling thread (one thread: no pool to wake or to
-        # fight the target's). In MTP's rounds in-process, 4 products a round, 0.57-0.60 ms
-        # against 0.79-0.84 for numpy's einsum, whose loop is not BLAS; numpy's BLAS matmul
-        # wakes OpenBLAS's thread pool, whose spinning threads made the target's runs 2x slower.
+        # fight the target's). It is faster than numpy's einsum, whose loop is not BLAS, and
+        # numpy's BLAS matmul wakes OpenBLAS's thread pool, whose spinning threads slow the
+        # target's runs down (docs/design-decisions.md).
         self._session = ort.InferenceSession(MATMUL_GRAPH, session_options(1, spinning=False),
                                              providers=["CPUExecutionProvider"])
 
