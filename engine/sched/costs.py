@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -136,7 +136,7 @@ OUTLIER = 2.0  # once a kind has MIN_KIND_CALLS samples, one counts as at most t
                # it predicts: one slow call (a hiccup of the machine), learnt whole, can price a
                # kind of call out, and then no call of that kind comes to correct it
 OVERHEAD_FLOOR = 0.0005  # seconds: an overhead learnt near 0 may still grow by OUTLIER x this a sample
-MIN_SEVERAL_CALLS = 2  # calls of several plain rounds before they price such calls: the prior below
+MIN_MULTI_STEP_CALLS = 2  # multi-step calls (several plain rounds in one) before they price such calls: the prior below
     # is optimistic (further rounds at the table's own figure; real pasts are longer than the
     # calibration's), and each call until then is a choice made on it (a call of several
     # rounds times steadier than a single round)
@@ -167,8 +167,8 @@ class VerifyCostModel:
         # (bucket, drafting) -> ((table seconds, real seconds) averaged, calls)
         self.calls: dict[tuple[int, bool], tuple[tuple[float, float], int]] = {}
         self.overheads: dict[int, tuple[tuple[float], int]] = {}  # bucket -> ((seconds,), rounds)
-        # bucket -> ((table seconds, real seconds) averaged, calls) of calls of several plain rounds
-        self.several: dict[int, tuple[tuple[float, float], int]] = {}
+        # bucket -> ((table seconds, real seconds) averaged, calls) of multi-step calls
+        self.multi_step_calls: dict[int, tuple[tuple[float, float], int]] = {}
         # bucket -> its ``_kinds``, until the next call is learnt: a plan prices a dozen
         # calls of one bucket, and the kinds change only when a call is learnt
         self._known_kinds: dict[int, tuple] = {}
@@ -224,18 +224,18 @@ class VerifyCostModel:
         Plus every round's overhead: committing and streaming its tokens is paid per round,
         not per call, and counted once it would make plain rounds look cheaper than they run."""
         table = self.table.predict(batch, batch)
-        if self.several_known(batch):
-            (mean_table, mean_real), _ = self.several[load_bucket(batch)]
+        if self.knows_multi_step(batch):
+            (mean_table, mean_real), _ = self.multi_step_calls[load_bucket(batch)]
             call = steps * table * mean_real / mean_table
         else:
             call = self.call(batch, batch) + (steps - 1) * table
         return call + steps * self.overhead(batch)
 
-    def several_known(self, batch: int) -> bool:
-        """Whether ``plain_rounds`` at this batch size prices from calls of several plain
-        rounds it has seen, rather than from its prior."""
-        seen = self.several.get(load_bucket(batch))
-        return seen is not None and seen[1] >= MIN_SEVERAL_CALLS
+    def knows_multi_step(self, batch: int) -> bool:
+        """Whether ``plain_rounds`` at this batch size prices from multi-step calls it has
+        seen, rather than from its prior."""
+        seen = self.multi_step_calls.get(load_bucket(batch))
+        return seen is not None and seen[1] >= MIN_MULTI_STEP_CALLS
 
     def overhead(self, batch: int) -> float:
         seen = self.overheads.get(load_bucket(batch))
@@ -251,18 +251,18 @@ class VerifyCostModel:
         call, overhead = self.call_prices(batch), self.overhead(batch)
         return lambda rows: call(rows) + overhead
 
-    def observe(self, widths: Sequence[int], seconds: float, steps: int = 1) -> None:
-        """One target call verifying sequences of these widths (drafts + 1 each) took
-        ``seconds``; ``steps`` > 1: a call of that many plain rounds, learnt apart
-        (``plain_rounds``)."""
-        if not widths or len(verify_groups(widths, self.table)) > 1:
+    def observe(self, rows: Sequence[int], seconds: float, steps: int = 1) -> None:
+        """One target call verifying sequences of these rows each (drafts + 1) took
+        ``seconds``; ``steps`` > 1: a multi-step call of that many plain rounds, learnt
+        apart (``plain_rounds``)."""
+        if not rows or len(verify_groups(rows, self.table)) > 1:
             return
-        widest = max(widths)
-        table = self.table.predict(len(widths), len(widths) * widest)
+        widest = max(rows)
+        table = self.table.predict(len(rows), len(rows) * widest)
         if steps > 1:
-            _learn(self.several, load_bucket(len(widths)), (table * steps, seconds), self.smoothing)
+            _learn(self.multi_step_calls, load_bucket(len(rows)), (table * steps, seconds), self.smoothing)
             return
-        key = (load_bucket(len(widths)), widest > 1)
+        key = (load_bucket(len(rows)), widest > 1)
         seen = self.calls.get(key)
         if seen is not None and seen[1] >= MIN_KIND_CALLS:
             (mean_table, mean_real), _ = seen
@@ -312,15 +312,16 @@ class DraftCostTable:
 
 
 class DraftCostModel:
-    """Predicted seconds of a proposer call for a plan: a head (``restarting``) runs
-    ``steps`` (the longest k) steps over all ``n`` drafting sequences; a draft model
-    steps each sequence to its own k, the ones done dropping out (``draft_tokens`` rows
-    in all). The measured table per mode, plus the per-call overhead observed online
-    (hops, load). A mode without a table costs nothing until measured, so it gets tried."""
+    """Predicted seconds of a proposer call for a plan: a head (``heads``) restarts from
+    the target's anchor every pass, so it runs ``steps`` (the longest draft count) steps
+    over all ``n`` drafting sequences; a draft model steps each sequence to its own
+    count, the ones done dropping out (``draft_tokens`` rows in all). The measured table
+    per mode, plus the per-call overhead observed online (hops, load). A mode without a
+    table costs nothing until measured, so it gets tried."""
 
-    def __init__(self, restarting: frozenset[str], smoothing: float = 0.1) -> None:
+    def __init__(self, heads: Iterable[str], smoothing: float = 0.1) -> None:
         self.coefficients: dict[str, tuple[float, float, float, float]] = {}
-        self.restarting, self.smoothing = restarting, smoothing
+        self.heads, self.smoothing = frozenset(heads), smoothing  # modes whose proposer is a head
         self.overhead: dict[tuple[str, int], float] = {}  # (mode, batch-size bucket) -> learnt residual
         self.catch_ups: dict[str, tuple[tuple[float, float], int]] = {}  # mode -> ((tokens, seconds), calls)
 
@@ -333,7 +334,7 @@ class DraftCostModel:
 
     def _table(self, mode: str, n: int, steps: int, draft_tokens: int) -> float:
         per_call, per_seq, per_step, per_seq_step = self.coefficients[mode]
-        work = n * steps if mode in self.restarting else draft_tokens
+        work = n * steps if mode in self.heads else draft_tokens
         return per_call + n * per_seq + steps * per_step + work * per_seq_step
 
     def predict(self, mode: str, n: int, steps: int, draft_tokens: int) -> float:

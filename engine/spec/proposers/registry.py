@@ -46,8 +46,6 @@ class ProposerKind:
     mode: str
     deployment: str | None   # the Serve deployment hosting it; None = runs inside the coordinator
     description: str
-    restarts: bool = False   # keeps nothing between rounds: its batched run steps every drafting
-                             # sequence to the call's longest k, and there is nothing to catch up
 
     @property
     def in_coordinator(self) -> bool:
@@ -113,17 +111,19 @@ class ProposerKind:
         return LoadedProposer(self.mode, lambda: make(head), head)
 
 
+# Heads restart from the target's anchor every pass: they keep nothing between rounds, a
+# batched run steps every drafting sequence to the call's longest draft count, and there
+# is nothing to catch up.
 HEAD_MODES = ("mtp", "eagle3", "shared_kv")
 
 PROPOSER_KINDS: dict[str, ProposerKind] = {k.mode: k for k in (
     ProposerKind("prompt_lookup", None, "n-gram copy from the context (no model)"),
     ProposerKind("draft_model", "DraftModelProposer", "a small LM with its own paged KV cache"),
-    ProposerKind("mtp", "MtpProposer", "a multi-token-prediction head read through the target's LM head", True),
-    ProposerKind("eagle3", "Eagle3Proposer", "an EAGLE-3 head fed low/mid/high target hidden states", True),
-    ProposerKind("shared_kv", "SharedKvProposer", "a Gemma-4-style assistant reading the target's KV cache", True),
+    ProposerKind("mtp", "MtpProposer", "a multi-token-prediction head read through the target's LM head"),
+    ProposerKind("eagle3", "Eagle3Proposer", "an EAGLE-3 head fed low/mid/high target hidden states"),
+    ProposerKind("shared_kv", "SharedKvProposer", "a Gemma-4-style assistant reading the target's KV cache"),
 )}
 MODEL_MODES = tuple(m for m, k in PROPOSER_KINDS.items() if not k.in_coordinator)
-RESTARTING_MODES = frozenset(m for m, k in PROPOSER_KINDS.items() if k.restarts)
 
 
 def proposer_kind(mode: str) -> ProposerKind:
