@@ -18,7 +18,7 @@ from ray.serve.handle import DeploymentHandle
 
 from engine.kv.block_ledger import AdmissionError, Grant
 from engine.sched.coordinator import TargetUnavailableError
-from engine.sched.costs import DraftCostTable, VerifyCostTable
+from engine.sched.cost_tables import DraftCostTable, VerifyCostTable
 from engine.sched.proposer_worker import ProposeItem, ProposeResult
 from engine.sched.target_worker import PrefillItem, TargetResult, VerifyItem
 

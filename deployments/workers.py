@@ -31,7 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from engine.config import EngineConfig
 from engine.model.bundle import Bundle
 from engine.model.cached_decoder import CachedDecoder
-from engine.sched.costs import DraftCostTable, VerifyCostTable
+from engine.sched.cost_tables import DraftCostTable, VerifyCostTable
 from engine.sched.proposer_worker import ProposeItem, ProposeResult, ProposerWorker
 from engine.sched.target_worker import PrefillItem, TargetResult, TargetWorker, VerifyItem
 from engine.spec.proposers.registry import PROPOSER_KINDS

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from engine import Engine, GenerationOptions
-from engine.sched.costs import (MIN_KIND_CALLS, DraftCostModel, DraftCostTable, VerifyCostModel, VerifyCostTable,
-                                 verify_groups)
+from engine.sched.cost_models import MIN_KIND_CALLS, DraftCostModel, VerifyCostModel
+from engine.sched.cost_tables import DraftCostTable, VerifyCostTable
+from engine.sched.verify_split import verify_groups
 from engine.sched.acceptance import AcceptanceTracker
 from engine.sched.call_pricing import CATCH_UP_STEPS
 from engine.sched.draft_length import (ENGAGE_MARGIN, EXPLORE_BATCH, DraftLengthPlanner, DraftRequest, RoundPlan,

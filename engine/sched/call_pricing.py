@@ -3,7 +3,7 @@
 
 A plan's worth is the batch's size over its mean expected time per token, from each
 sequence's live acceptance (``sched.acceptance``) and the measured, online-corrected
-costs of the target's verify pass and of each proposer's call (``sched.costs``).
+costs of the target's verify pass and of each proposer's call (``sched.cost_models``).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from engine.sched.acceptance import AcceptanceTracker
-from engine.sched.costs import DraftCostModel, VerifyCostModel
+from engine.sched.cost_models import DraftCostModel, VerifyCostModel
 
 CATCH_UP_STEPS = 0.15    # a draft model's step-equivalents per token of catch-up until calls that carried
                          # catch-ups have priced it (``DraftCostModel.catch_up_token``): it feeds them in one

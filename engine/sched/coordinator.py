@@ -26,7 +26,7 @@ from typing import Hashable, Protocol, Sequence
 from engine.config import SchedulerConfig
 from engine.errors import EngineError
 from engine.kv.block_ledger import Grant
-from engine.sched.costs import DraftCostTable, VerifyCostTable
+from engine.sched.cost_tables import DraftCostTable, VerifyCostTable
 from engine.sched.draft_length import (DraftCosts, DraftLengthPlanner, DraftRequest, ProposerCall, RoundTime,
                                       SequenceRetired, SequenceRound, TargetCall)
 from engine.sched.metrics import RoundMetrics
@@ -78,10 +78,10 @@ class Transport(Protocol):
         """A target replica is gone: its pool must stop taking admissions."""
 
     async def verify_costs(self) -> VerifyCostTable:
-        """The target's measured cost of a verify pass by batch and rows (``sched.costs``)."""
+        """The target's measured cost of a verify pass by batch and rows (``sched.calibration``)."""
 
     async def draft_costs(self, mode: str) -> DraftCostTable:
-        """A proposer kind's measured cost of a call by batch and drafts (``sched.costs``)."""
+        """A proposer kind's measured cost of a call by batch and drafts (``sched.calibration``)."""
 
 
 @dataclass(eq=False)

@@ -18,10 +18,11 @@ others' expense (``docs/adaptive-speculation.md`` compares the two objectives).
 
 ``alpha_s,j`` is the sequence's live acceptance of draft position j given the drafts
 before it were accepted (``sched.acceptance``). ``T_verify`` and ``T_draft`` are the
-target's and each proposer's costs, measured when their workers start (``sched.costs``)
-and corrected online by what real calls cost beyond them, per batch-size bucket; a plan
-is priced by ``sched.call_pricing``. n = 0 is a plain target round. Rounds stay lossless
-whatever n is: only how many drafts are verified changes, never how.
+target's and each proposer's costs, measured when their workers start
+(``sched.calibration``) and corrected online by what real calls cost beyond them, per
+batch-size bucket (``sched.cost_models``); a plan is priced by ``sched.call_pricing``.
+n = 0 is a plain target round. Rounds stay lossless whatever n is: only how many drafts
+are verified changes, never how.
 
 A plan without drafts may make its target call *multi-step*: several plain rounds back
 to back in one call (``SchedulerConfig.plain_steps``, vLLM's num_scheduler_steps).
@@ -39,7 +40,8 @@ from typing import Iterable, NamedTuple, Sequence, Union
 
 from engine.sched.acceptance import AcceptanceTracker
 from engine.sched.call_pricing import CallPricing, DraftRequest
-from engine.sched.costs import DraftCostModel, DraftCostTable, VerifyCostModel, VerifyCostTable
+from engine.sched.cost_models import DraftCostModel, VerifyCostModel
+from engine.sched.cost_tables import DraftCostTable, VerifyCostTable
 
 MIXED_PLAN_MARGIN = 0.05  # a plan between "no drafts" and "every maximum" must be predicted this much
                           # faster than the better of the two: below the cost model's error, a pinned

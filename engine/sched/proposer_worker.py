@@ -23,7 +23,8 @@ from engine.errors import EngineError
 from engine.options import GenerationOptions
 from engine.sched.metrics import RoundMetrics
 from engine.spec.proposers.base import AcceptContext, Proposal, Proposer, ProposerContext
-from engine.sched.costs import CALIBRATION_PAST, DraftCostTable, measure_draft_costs
+from engine.sched.calibration import CALIBRATION_PAST, measure_draft_costs
+from engine.sched.cost_tables import DraftCostTable
 from engine.spec.proposers.registry import PROPOSER_KINDS, LoadedProposer
 from engine.spec.rounds import Anchor, proposer_context
 from engine.spec.sampling import SequenceRules
@@ -77,7 +78,7 @@ class ProposerWorker:
         self.loaded.model.probe()
 
     def draft_costs(self) -> DraftCostTable:
-        """What a call costs by batch and drafts (``sched.costs``), timed on first use on
+        """What a call costs by batch and drafts (``sched.calibration``), timed on first use on
         synthetic contexts and kept. Owners call it at start-up."""
         if self._costs is None:
             anchor = PROPOSER_KINDS[self.mode].calibration_anchor(self.loaded, CALIBRATION_PAST + 1)

@@ -1,128 +1,18 @@
-"""What a target verify pass costs, measured: the cost model adaptive speculation
-plans with.
+"""Online cost models: the measured tables (``sched.cost_tables``), corrected by what
+real calls cost, which is what adaptive speculation plans with.
 
-``measure_verify_costs`` times the real target on batches of dummy sequences (1 and 5
-rows each, at a few batch sizes) once, when a target worker starts -- which also warms
-onnxruntime up, so the first request does not pay for it. ``VerifyCostModel``
-interpolates that table, corrects it by what real calls of each kind cost per batch-size
-bucket (real pasts, hops, the machine's current load) and adds what a round costs beyond
-its calls, so the in-process engine and the server each plan with what a round costs *them*.
+``VerifyCostModel`` interpolates the target's table, corrects it by what real calls of
+each kind cost per batch-size bucket (real pasts, hops, the machine's current load) and
+adds what a round costs beyond its calls, so the in-process engine and the server each
+plan with what a round costs *them*. ``DraftCostModel`` does the same for each proposer
+kind's calls, and prices a draft model's catch-up.
 """
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
-from functools import cached_property
 from typing import Callable, Iterable, Sequence
 
-import numpy as np
-
-from engine.model.cached_decoder import CachedDecoder, FeedRequest
-
-CALIBRATION_BATCHES = (1, 4, 16, 32)
-CALIBRATION_ROWS = (1, 5)       # rows per sequence: a plain step, and a k = 4 verify
-CALIBRATION_PAST = 64           # tokens already in each dummy sequence's KV
-
-
-@dataclass(frozen=True)
-class VerifyCostTable:
-    """Seconds of one target call by (sequences, total rows), measured."""
-
-    seconds: dict[tuple[int, int], float]
-
-    @cached_property
-    def _lines(self) -> dict[int, tuple[float, float, float]]:
-        """Per measured batch size: (rows at the first point, its seconds, seconds per row)."""
-        lines = {}
-        for batch in sorted({b for b, _ in self.seconds}):
-            points = sorted((r, s) for (b, r), s in self.seconds.items() if b == batch)
-            (r0, s0), (r1, s1) = points[0], points[-1]
-            lines[batch] = (r0, s0, (s1 - s0) / (r1 - r0) if r1 > r0 else 0.0)
-        return lines
-
-    def _at(self, batch: int, rows: float) -> float:
-        """Linear in rows between the measured points of one measured batch size."""
-        r0, s0, slope = self._lines[batch]
-        return s0 + slope * (rows - r0)
-
-    def predict(self, batch: int, rows: int) -> float:
-        """Interpolate between measured batch sizes at the same rows per sequence;
-        beyond the largest, scale it linearly (a CPU pass at that size is compute-bound)."""
-        batches = list(self._lines)
-        per_seq = rows / max(batch, 1)
-        if batch <= batches[0]:
-            return self._at(batches[0], per_seq * batches[0]) * batch / batches[0]
-        if batch >= batches[-1]:
-            return self._at(batches[-1], per_seq * batches[-1]) * batch / batches[-1]
-        upper = next(b for b in batches if b >= batch)
-        lower = max(b for b in batches if b <= batch)
-        if upper == lower:
-            return self._at(lower, rows)
-        w = (batch - lower) / (upper - lower)
-        return (1 - w) * self._at(lower, per_seq * lower) + w * self._at(upper, per_seq * upper)
-
-
-SPLIT_MARGIN = 0.4  # a split must be predicted this much cheaper: it moves the drafting sequences'
-                    # pasts into a batch layout of their own and back, copies the table does not time
-                    # (docs/design-decisions.md measures the margins tried)
-
-
-def verify_groups(widths: Sequence[int], table: VerifyCostTable | None) -> list[list[int]]:
-    """How one round's verifies run: one call padded to the widest (a batched call runs
-    every sequence to the longest one's rows), or the sequences without drafts in one
-    call and those with drafts in another, whichever ``table`` predicts cheaper.
-
-    At a large batch a CPU pass is compute-bound: one sequence's drafts pad every
-    sequence to its rows, so a few drafting sequences make a round dearer than plain
-    decoding; run apart, they cost a small call (it pays most for pinned prompt lookup,
-    whose drafts come and go per sequence: docs/design-decisions.md). At a small batch
-    the second call's fixed cost wins and one padded call stays. The draft-length planner still costs a round padded:
-    with the margin a split is only ever cheaper than that. Indices in ``widths`` order."""
-    everyone = list(range(len(widths)))
-    plain = [i for i, w in enumerate(widths) if w == 1]
-    drafting = [i for i, w in enumerate(widths) if w > 1]
-    if table is None or not plain or not drafting:
-        return [everyone]
-    widest = max(widths)
-    padded = table.predict(len(widths), len(widths) * widest)
-    split = table.predict(len(plain), len(plain)) + table.predict(len(drafting), len(drafting) * widest)
-    return [plain, drafting] if split < (1 - SPLIT_MARGIN) * padded else [everyone]
-
-
-def measure_verify_costs(target: CachedDecoder, max_batch: int, repeats: int = 2) -> VerifyCostTable:
-    """Time real target calls on dummy sequences; the pool must have room and nobody else
-    may use it meanwhile (call before the worker takes requests). Leaves the pool empty."""
-    cache = target.cache
-    per_seq_blocks = -(-(CALIBRATION_PAST + max(CALIBRATION_ROWS)) // cache.block_size)
-    fits = max(1, cache.free_blocks // per_seq_blocks)
-    batches = [b for b in CALIBRATION_BATCHES if b <= min(max_batch, fits)] or [1]
-    seconds: dict[tuple[int, int], float] = {}
-    ids = [("calibration", i) for i in range(batches[-1])]
-    rng = np.random.default_rng(0)
-    vocab = target.decoder.vocab_size
-    for seq in ids:
-        cache.add_sequence(seq)
-    try:
-        target.feed_batch([FeedRequest(seq, rng.integers(0, vocab, CALIBRATION_PAST).tolist(), 0) for seq in ids])
-        for batch in batches:
-            for rows in CALIBRATION_ROWS:
-                requests = [FeedRequest(seq, rng.integers(0, vocab, rows).tolist(), CALIBRATION_PAST)
-                            for seq in ids[:batch]]
-                best = float("inf")
-                # The first call of a new shape pays onnxruntime's allocation planning, which
-                # no later call pays: warm each shape untimed.
-                for attempt in range(repeats + 1):
-                    started = time.perf_counter()
-                    target.feed_batch(requests)
-                    if attempt:
-                        best = min(best, time.perf_counter() - started)
-                    for seq in ids[:batch]:
-                        cache.rewind(seq, CALIBRATION_PAST)
-                seconds[(batch, batch * rows)] = best
-    finally:
-        for seq in ids:
-            cache.free(seq)
-    return VerifyCostTable(seconds)
+from engine.sched.cost_tables import DraftCostTable, VerifyCostTable
+from engine.sched.verify_split import verify_groups
 
 
 def load_bucket(sequences: int) -> int:
@@ -136,10 +26,10 @@ OUTLIER = 2.0  # once a kind has MIN_KIND_CALLS samples, one counts as at most t
                # it predicts: one slow call (a hiccup of the machine), learnt whole, can price a
                # kind of call out, and then no call of that kind comes to correct it
 OVERHEAD_FLOOR = 0.0005  # seconds: an overhead learnt near 0 may still grow by OUTLIER x this a sample
-MIN_MULTI_STEP_CALLS = 2  # multi-step calls (several plain rounds in one) before they price such calls: the prior below
-    # is optimistic (further rounds at the table's own figure; real pasts are longer than the
-    # calibration's), and each call until then is a choice made on it (a call of several
-    # rounds times steadier than a single round)
+MIN_MULTI_STEP_CALLS = 2  # multi-step calls (several plain rounds in one) before they price such calls:
+    # the prior below is optimistic (further rounds at the table's own figure; real pasts are
+    # longer than the calibration's), and each call until then is a choice made on it (a call
+    # of several rounds times steadier than a single round)
 MIN_CATCH_UP_CALLS = 3  # proposer calls that carried catch-ups before their learnt price replaces the prior
 MIN_KIND_CALLS, MIN_KIND_SHARE = 8, 0.05  # a kind of call rarer than this in its bucket is an odd one
     # (for a head that always drafts, a plain call is a sequence's first after its prefill, which
@@ -291,26 +181,6 @@ def _learn(values: dict, key, sample: tuple[float, ...], smoothing: float) -> No
     values[key] = (tuple((1 - weight) * p + weight * x for p, x in zip(previous, sample)), count + 1)
 
 
-@dataclass(frozen=True)
-class DraftCostTable:
-    """Seconds of one proposer call drafting ``k`` tokens for each of ``n`` sequences,
-    measured at (1, 1), (1, 4), (N, 1) and (N, 4)."""
-
-    seconds: dict[tuple[int, int], float]
-
-    def coefficients(self) -> tuple[float, float, float, float]:
-        """(per call, per sequence, per step, per sequence-step) solving the four points
-        exactly (bilinear in n and k), clamped at 0 against timing noise."""
-        n = max(b for b, _ in self.seconds)
-        t11, t14 = self.seconds[(1, 1)], self.seconds[(1, 4)]
-        tn1, tn4 = self.seconds.get((n, 1), t11 * n), self.seconds.get((n, 4), t14 * n)
-        per_seq_step = max(0.0, ((tn4 - tn1) - (t14 - t11)) / (3 * (n - 1))) if n > 1 else (t14 - t11) / 3
-        per_step = max(0.0, (t14 - t11) / 3 - per_seq_step)
-        per_seq = max(0.0, (tn1 - t11) / (n - 1) - per_seq_step) if n > 1 else 0.0
-        per_call = max(0.0, t11 - per_seq - per_step - per_seq_step)
-        return per_call, per_seq, per_step, per_seq_step
-
-
 class DraftCostModel:
     """Predicted seconds of a proposer call for a plan: a head (``heads``) restarts from
     the target's anchor every pass, so it runs ``steps`` (the longest draft count) steps
@@ -388,39 +258,3 @@ class DraftCostModel:
             return
         residual = max(0.0, seconds - self.predict(mode, n, steps, draft_tokens))
         _learn(self.catch_ups, mode, (float(catch_up_tokens), residual), self.smoothing)
-
-
-def measure_draft_costs(new_proposer, anchor, vocab: int, batch: int = 8, repeats: int = 3) -> DraftCostTable:
-    """Time a proposer kind on synthetic contexts (random tokens, zero hidden states --
-    the work a draft does does not depend on the values). A draft model is timed after
-    its own prefill, aligning 2 new tokens per round as a real round does."""
-    from engine.options import GenerationOptions
-    from engine.spec.rounds import proposer_context
-
-    rng = np.random.default_rng(0)
-    options = GenerationOptions()
-    proposers = [new_proposer() for _ in range(batch)]
-    prefixes = [rng.integers(0, vocab, CALIBRATION_PAST).tolist() for _ in range(batch)]
-    try:
-        for proposer, prefix in zip(proposers, prefixes):  # a draft model prefills its own KV once
-            proposer.propose(proposer_context(2, prefix, options, anchor, rng))
-        seconds = {}
-        for n in (1, batch):
-            for k in (1, 4):
-                contexts = [proposer_context(k + 1, prefix + [1, 2], options, anchor, rng) for prefix in prefixes[:n]]
-                best = float("inf")
-                for _ in range(repeats):
-                    for proposer, prefix in zip(proposers[:n], prefixes[:n]):
-                        proposer.rewind(prefix)
-                    started = time.perf_counter()
-                    if proposers[0].batchable:
-                        proposers[0].propose_batch(contexts, proposers[:n])
-                    else:
-                        for proposer, context in zip(proposers[:n], contexts):
-                            proposer.propose(context)
-                    best = min(best, time.perf_counter() - started)
-                seconds[(n, k)] = best
-        return DraftCostTable(seconds)
-    finally:
-        for proposer in proposers:
-            proposer.close()
