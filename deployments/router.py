@@ -36,7 +36,7 @@ from engine.model.chat import ChatTemplate
 from engine.model.tokenizer import TextTokenizer
 from engine.options import GenerationOptions
 from engine.sched.coordinator import RequestFailedError, RoundCoordinator
-from engine.sched.sequence_driver import DriverFactory
+from engine.sched.sequence_driver import DriverFactory, Speculation
 from engine.spec.proposers.registry import PROPOSER_KINDS
 from engine.spec.sequence import TokenEvent
 
@@ -234,15 +234,15 @@ class Router:
         prompts = [self._encode(prompt, f"prompt[{i}]" if len(body.prompts) > 1 else "prompt")
                    for i, prompt in enumerate(body.prompts)]
         longest = max(len(ids) for ids in prompts)
-        options = self._options(body, self._max_tokens(body.max_tokens, longest), body.logprobs is not None,
-                                body.logprobs or 0, longest)
+        options, speculation = self._options(body, self._max_tokens(body.max_tokens, longest),
+                                             body.logprobs is not None, body.logprobs or 0, longest)
         echoes = None
         if body.echo:  # each prompt as sent (ids: their text), and its first token, which has no logprob
             echoes = [Echo(prompt if isinstance(prompt, str) else self.tokenizer.decode(ids),
                            self.tokenizer.token_text(ids[0])) for prompt, ids in zip(body.prompts, prompts)]
             if body.logprobs is not None:
                 options = options.model_copy(update={"prompt_logprobs": body.logprobs})
-        return await self._serve(body, options, prompts, chat=False, echoes=echoes)
+        return await self._serve(body, options, speculation, prompts, chat=False, echoes=echoes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
@@ -252,8 +252,8 @@ class Router:
         prompt_ids = self._encode(prompt)
         max_tokens = self._max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt_ids),
                                       "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
-        options = self._options(body, max_tokens, body.logprobs, body.top_logprobs or 0, len(prompt_ids))
-        return await self._serve(body, options, [prompt_ids], chat=True)
+        options, speculation = self._options(body, max_tokens, body.logprobs, body.top_logprobs or 0, len(prompt_ids))
+        return await self._serve(body, options, speculation, [prompt_ids], chat=True)
 
     @app.post("/tokenize")
     async def tokenize(self, body: TokenizeRequest) -> dict:
@@ -300,7 +300,9 @@ class Router:
                            code="context_length_exceeded")
         return requested
 
-    def _options(self, body, max_tokens: int, logprobs: bool, top: int, prompt_tokens: int) -> GenerationOptions:
+    def _options(self, body, max_tokens: int, logprobs: bool, top: int,
+                 prompt_tokens: int) -> tuple[GenerationOptions, Speculation]:
+        """The request's options, checked against this deployment (``DriverFactory.validate``)."""
         room = min(max_tokens, self.max_context - prompt_tokens)  # what the request can generate
         if body.min_tokens > room:
             raise ApiError(400, f"min_tokens ({body.min_tokens}) must not exceed what the request can generate "
@@ -312,14 +314,9 @@ class Router:
             raise ApiError(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}",
                            param=str(first["loc"][0]) if first["loc"] else None) from exc
         try:
-            self.factory.resolve_mode(options)
-        except (ValueError, InvalidRequestError) as exc:
-            raise ApiError(400, str(exc), param="speculative_mode") from exc
-        try:
-            self.factory.check_token_ids(options)
+            return options, self.factory.validate(options)
         except InvalidRequestError as exc:
             raise ApiError(400, str(exc), param=exc.param) from exc
-        return options
 
     def _encode(self, prompt, name: str = "prompt") -> list[int]:
         """``name``: what the error calls it (``prompt[i]`` in a batch)."""
@@ -330,8 +327,8 @@ class Router:
             raise ApiError(400, message, param="prompt", code="context_length_exceeded"
                            if "context limit" in str(exc) else None) from exc
 
-    async def _serve(self, body, options: GenerationOptions, prompts: list[list[int]], chat: bool,
-                     echoes: list[Echo] | None = None):
+    async def _serve(self, body, options: GenerationOptions, speculation: Speculation, prompts: list[list[int]],
+                     chat: bool, echoes: list[Echo] | None = None):
         """Run the request's choices -- ``n`` per prompt, prompt i's choice j at index
         i * n + j, as vLLM numbers them -- each a sequence of its own (admitted together,
         or the request refused), and answer with all of them, or stream them as they commit."""
@@ -347,7 +344,7 @@ class Router:
                 if body.stream:
                     queue.put_nowait(ChoiceEvent(index, event))
 
-            drivers.append(self.factory.create(uuid.uuid4().hex, prompt_ids, choice, on_token))
+            drivers.append(self.factory.create(uuid.uuid4().hex, prompt_ids, choice, on_token, speculation))
             stamps.append(times)
         # 503 here, before any stream starts; a choice that cannot be admitted takes its siblings with it
         try:

@@ -52,7 +52,7 @@ class GenerationOptions(BaseModel):
     adaptive_speculation: bool | None = Field(None, description=(
         "choose each round's number of drafts (0..num_speculative_tokens) from live acceptance and measured "
         "costs; False pins it to num_speculative_tokens; None = the engine default, except that a seeded "
-        "sampled request keeps a fixed k so its seed reproduces it"))
+        "sampled request keeps num_speculative_tokens fixed so its seed reproduces it"))
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -25,7 +25,7 @@ OPTIONS = GenerationOptions()
 
 
 def context(tokens, width, **extra) -> ProposerContext:
-    return ProposerContext(width=width, context_tokens=tokens, options=OPTIONS, **extra)
+    return ProposerContext(num_drafts=width - 1, context_tokens=tokens, options=OPTIONS, **extra)
 
 
 # -- prompt lookup (seed: ngram_proposer_*) -------------------------------------------------
@@ -190,7 +190,7 @@ def test_a_batched_draft_model_gives_each_sequence_its_solo_drafts_in_one_run_pe
         batched = [DraftModelProposer(draft) for _ in prompts]
         try:
             def contexts(extra):
-                return [ProposerContext(w, p + extra, options, rng=np.random.default_rng(i))
+                return [ProposerContext(w - 1, p + extra, options, rng=np.random.default_rng(i))
                         for i, (w, p) in enumerate(zip(widths, prompts))]
             for extra in ([], [7, 9]):  # first contact, then a round's two new tokens
                 alone = [s.propose(c) for s, c in zip(solo, contexts(extra))]
@@ -337,7 +337,7 @@ class BatchDrafter(StatelessProposer):
     def propose(self, ctx):
         if ctx.context_tokens[-1] == POISON:
             raise RuntimeError("cannot draft after the poison token")
-        return Proposal([ctx.context_tokens[-1] + 1] * ctx.max_drafts)
+        return Proposal([ctx.context_tokens[-1] + 1] * ctx.num_drafts)
 
     def propose_batch(self, contexts, owners=None):
         self.batches.append(len(contexts))
@@ -348,7 +348,7 @@ def test_a_failing_batched_proposal_is_retried_one_by_one_logged_and_counted(cap
     metrics = RoundMetrics()
     BatchDrafter.batches = []
     worker = ProposerWorker(LoadedProposer("batch_drafter", BatchDrafter, None), metrics)
-    items = [ProposeItem(f"s{i}", 3, 0, [1, 2, last], OPTIONS) for i, last in enumerate((5, POISON, 7))]
+    items = [ProposeItem(f"s{i}", 2, 0, [1, 2, last], OPTIONS) for i, last in enumerate((5, POISON, 7))]
     with caplog.at_level(logging.WARNING, logger="specserve.proposer"):
         results = worker.propose(items)
     assert BatchDrafter.batches == [3]  # one batched call for the three, which failed
@@ -359,6 +359,6 @@ def test_a_failing_batched_proposal_is_retried_one_by_one_logged_and_counted(cap
     assert "batched proposal for 3 sequences failed" in caplog.text
     assert sorted(worker.sequences) == ["s0", "s2"]  # the failed one starts over next round
     # The next round batches the healthy sequences again, from what they already hold.
-    again = worker.propose([ProposeItem("s0", 2, 3, [6], None, 1), ProposeItem("s2", 2, 3, [8], None, 1)])
+    again = worker.propose([ProposeItem("s0", 1, 3, [6], None, 1), ProposeItem("s2", 1, 3, [8], None, 1)])
     assert [r.tokens for r in again] == [[7], [9]] and BatchDrafter.batches == [3, 2]
     assert metrics.faults == {"propose_batch_failed": 1}

@@ -68,11 +68,12 @@ def measure_draft_costs(new_proposer, anchor, vocab: int, batch: int = 8, repeat
     prefixes = [rng.integers(0, vocab, CALIBRATION_PAST).tolist() for _ in range(batch)]
     try:
         for proposer, prefix in zip(proposers, prefixes):  # a draft model prefills its own KV once
-            proposer.propose(proposer_context(2, prefix, options, anchor, rng))
+            proposer.propose(proposer_context(1, prefix, options, anchor, rng))
         seconds = {}
         for n in (1, batch):
-            for k in (1, 4):
-                contexts = [proposer_context(k + 1, prefix + [1, 2], options, anchor, rng) for prefix in prefixes[:n]]
+            for num_drafts in (1, 4):
+                contexts = [proposer_context(num_drafts, prefix + [1, 2], options, anchor, rng)
+                            for prefix in prefixes[:n]]
                 best = float("inf")
                 for _ in range(repeats):
                     for proposer, prefix in zip(proposers[:n], prefixes[:n]):
@@ -84,7 +85,7 @@ def measure_draft_costs(new_proposer, anchor, vocab: int, batch: int = 8, repeat
                         for proposer, context in zip(proposers[:n], contexts):
                             proposer.propose(context)
                     best = min(best, time.perf_counter() - started)
-                seconds[(n, k)] = best
+                seconds[(n, num_drafts)] = best
         return DraftCostTable(seconds)
     finally:
         for proposer in proposers:

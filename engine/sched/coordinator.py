@@ -285,7 +285,7 @@ class RoundCoordinator:
             driver = run.driver
             if driver.local_proposer is None:
                 continue
-            driver.round_drafts = driver.max_drafts()
+            driver.round_num_drafts = driver.max_num_drafts()
             try:
                 driver.propose_locally()
             except Exception as exc:  # noqa: BLE001 - a proposer failure costs drafts, never the request
@@ -309,7 +309,7 @@ class RoundCoordinator:
             self.planner.observe(DraftCosts(mode, await self.transport.draft_costs(mode)))
         for run in decoding:
             driver = run.driver
-            driver.round_drafts = driver.max_drafts() if driver.local_proposer is None else driver.drafted
+            driver.round_num_drafts = driver.max_num_drafts() if driver.local_proposer is None else driver.drafted
             driver.round_steps = 1
         calls: dict[str, list[_Run]] = defaultdict(list)
         for run in decoding:
@@ -323,15 +323,15 @@ class RoundCoordinator:
                 continue
             if not any(run.driver.adaptive for run in runs):
                 continue  # every round drafts its maximum: nothing to plan
-            requests = [DraftRequest(r.driver.seq_id, r.driver.mode, r.driver.round_drafts, r.driver.adaptive,
+            requests = [DraftRequest(r.driver.seq_id, r.driver.mode, r.driver.round_num_drafts, r.driver.adaptive,
                                      r.driver.catch_up, r.driver.ending, r.driver.proposer_cold) for r in runs]
             plan = self.planner.plan(requests)
-            for run, k in zip(runs, plan.num_drafts):
-                run.driver.round_drafts, run.driver.round_steps = k, plan.steps
+            for run, num_drafts in zip(runs, plan.num_drafts):
+                run.driver.round_num_drafts, run.driver.round_steps = num_drafts, plan.steps
                 if run.driver.local_proposer is not None:
-                    run.driver.keep_drafts(k)
+                    run.driver.keep_drafts(num_drafts)
                 if run.driver.adaptive:
-                    self.metrics.draft_length(run.driver.mode, k)
+                    self.metrics.draft_length(run.driver.mode, num_drafts)
 
     async def _gather(self, calls) -> list:
         """Await calls, returning exceptions in place of results. A transport whose calls
@@ -397,7 +397,7 @@ class RoundCoordinator:
             if self.planner is not None:
                 behind = sum(tokens_behind(item.since, len(item.new_tokens), run.driver.num_drafts)
                              for run, item in pairs)
-                self.planner.observe(ProposerCall(mode, [item.width - 1 for _, item in pairs], behind, seconds))
+                self.planner.observe(ProposerCall(mode, [item.num_drafts for _, item in pairs], behind, seconds))
         return served_by, [(run, result) for (run, _), result in zip(pairs, results)]
 
     def _take_proposals(self, lane: _Lane, mode: str, replica: str | None, outcome) -> None:
@@ -484,7 +484,7 @@ class RoundCoordinator:
                 for verified in rounds:
                     self.metrics.verify_round(run.driver.mode, *verified)
                     if self.planner is not None:
-                        self.planner.observe(SequenceRound(run.driver.seq_id, run.driver.mode, verified.drafts,
+                        self.planner.observe(SequenceRound(run.driver.seq_id, run.driver.mode, verified.num_drafts,
                                                            verified.accepted))
 
     def _forget_target(self, replica: str) -> None:

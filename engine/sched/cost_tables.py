@@ -48,14 +48,14 @@ class VerifyCostTable:
 
 @dataclass(frozen=True)
 class DraftCostTable:
-    """Seconds of one proposer call drafting ``k`` tokens for each of ``n`` sequences,
-    measured at (1, 1), (1, 4), (N, 1) and (N, 4)."""
+    """Seconds of one proposer call by (sequences, drafts each), measured at (1, 1),
+    (1, 4), (N, 1) and (N, 4)."""
 
     seconds: dict[tuple[int, int], float]
 
     def coefficients(self) -> tuple[float, float, float, float]:
         """(per call, per sequence, per step, per sequence-step) solving the four points
-        exactly (bilinear in n and k), clamped at 0 against timing noise."""
+        exactly (bilinear in sequences and drafts), clamped at 0 against timing noise."""
         n = max(b for b, _ in self.seconds)
         t11, t14 = self.seconds[(1, 1)], self.seconds[(1, 4)]
         tn1, tn4 = self.seconds.get((n, 1), t11 * n), self.seconds.get((n, 4), t14 * n)

@@ -379,7 +379,7 @@ def _caps(modes: list[str], top: dict[str, int]) -> Iterable[tuple[int, ...]]:
     the others at their maximum)."""
     if len(modes) <= 2:
         return product(*(range(top[m] + 1) for m in modes))
-    return [tuple(top[x] if x != m else k for x in modes) for m in modes for k in range(top[m] + 1)]
+    return [tuple(top[x] if x != m else cap for x in modes) for m in modes for cap in range(top[m] + 1)]
 
 
 class _MultiStepCall:

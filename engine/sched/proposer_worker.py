@@ -35,7 +35,7 @@ log = logging.getLogger("specserve.proposer")
 @dataclass(frozen=True)
 class ProposeItem:
     seq_id: Hashable
-    width: int                  # drafts + 1 the round may commit
+    num_drafts: int             # most drafts the round may verify
     since: int                  # index in the committed tokens where ``new_tokens`` start
     new_tokens: list[int]       # committed tokens the worker has not seen yet
     options: GenerationOptions | None  # sent with the whole context only (since == 0)
@@ -102,7 +102,7 @@ class ProposerWorker:
                 if mirror is None:
                     results[item.seq_id] = ProposeResult(item.seq_id, [], resync=True)
                     continue
-                context = proposer_context(item.width, mirror.tokens, mirror.options, item.anchor or Anchor(),
+                context = proposer_context(item.num_drafts, mirror.tokens, mirror.options, item.anchor or Anchor(),
                                            mirror.rng, mirror.rules)
                 if mirror.proposer.batchable:
                     batch.append((item, context, mirror))
@@ -169,6 +169,6 @@ class ProposerWorker:
 
 
 def _result(item: ProposeItem, proposal: Proposal) -> ProposeResult:
-    drafts = [int(t) for t in proposal.tokens[: item.width - 1]]
+    drafts = [int(t) for t in proposal.tokens[: item.num_drafts]]
     probs = None if proposal.probs is None else proposal.probs[: len(drafts)]
     return ProposeResult(item.seq_id, drafts, probs)

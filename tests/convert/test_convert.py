@@ -83,7 +83,7 @@ def _context(bundle_dir, tokens, width, needs_kv_layers=None) -> ProposerContext
     slices = None
     if needs_kv_layers:
         slices = tuple(SharedKvSlice(group, layer, *out.presents[layer]) for group, layer in needs_kv_layers.items())
-    return ProposerContext(width=width, context_tokens=list(tokens), options=GenerationOptions(),
+    return ProposerContext(num_drafts=width - 1, context_tokens=list(tokens), options=GenerationOptions(),
                            target_hidden=out.extras["hidden_states"][0, -1], target_hidden_layers=layers,
                            shared_kv=slices)
 

@@ -11,7 +11,7 @@ own instance, its ``owners``), the others loop.
 Token convention (one target pass per round): ``context_tokens`` are the committed
 tokens; the last of them (the *pending* token, the target's own choice) is not in the
 target's KV cache yet, and is what the seed calls the guaranteed token. Proposals hold
-only the drafts that follow it, at most ``width - 1`` of them.
+only the drafts that follow it, at most ``num_drafts`` of them.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class SharedKvSlice:
 
 @dataclass(frozen=True)
 class ProposerContext:
-    width: int                                   # most tokens this round may commit (drafts + 1)
+    num_drafts: int                              # most drafts this round may verify
     context_tokens: Sequence[int]                # prompt + generated; last = pending/guaranteed token
     options: GenerationOptions
     target_hidden: np.ndarray | None = None      # [H] final hidden at the last position in the target KV
@@ -62,8 +62,9 @@ class ProposerContext:
         return int(self.context_tokens[-1])
 
     @property
-    def max_drafts(self) -> int:
-        return max(0, self.width - 1)
+    def width(self) -> int:
+        """Most tokens this round may commit: its drafts and the target's own token."""
+        return self.num_drafts + 1
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,7 @@ class DraftModelProposer:
         prefixes = [list(c.context_tokens) for c in contexts]
         tokens: list[list[int]] = [[] for _ in contexts]
         probs: list[list[np.ndarray]] = [[] for _ in contexts]
-        aligned = self._align(owners, prefixes, [i for i, c in enumerate(contexts) if c.max_drafts > 0])
+        aligned = self._align(owners, prefixes, [i for i, c in enumerate(contexts) if c.num_drafts > 0])
         drafting, logits = list(aligned), list(aligned.values())
         step = 0
         while drafting:
@@ -78,7 +78,7 @@ class DraftModelProposer:
                 if q is not None:
                     probs[i].append(q)
             step += 1
-            drafting = [i for i in drafting if contexts[i].max_drafts > step]
+            drafting = [i for i in drafting if contexts[i].num_drafts > step]
             if not drafting:
                 break
             try:

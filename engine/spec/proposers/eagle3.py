@@ -58,7 +58,7 @@ class Eagle3Proposer(StatelessProposer):
             if own.size != size:
                 raise InvalidRequestError(f"EAGLE-3 recycled target hidden length {own.size} != hidden {size}")
             recycled.append(own.ravel())
-        batch, steps = len(contexts), max(c.max_drafts for c in contexts)
+        batch, steps = len(contexts), max(c.num_drafts for c in contexts)
         fused_in = np.stack(fused).reshape(batch, 1, 3 * size)
         recycled_in = np.stack(recycled).reshape(batch, 1, size)
         published = self.chain == "fused_first_step"
@@ -80,4 +80,4 @@ class Eagle3Proposer(StatelessProposer):
             previous = [self.to_target_id(int(t)) for t in np.argmax(logits[:, -1], axis=-1)]
             for row, token in zip(drafted, previous):
                 row.append(token)
-        return [Proposal(row[: c.max_drafts]) for row, c in zip(drafted, contexts)]
+        return [Proposal(row[: c.num_drafts]) for row, c in zip(drafted, contexts)]

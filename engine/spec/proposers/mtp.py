@@ -44,7 +44,7 @@ class MtpProposer(StatelessProposer):
             if np.asarray(context.target_hidden).size != size:
                 raise InvalidRequestError(f"target_hidden length {np.asarray(context.target_hidden).size} != "
                                           f"MTP hidden {size}")
-        batch, steps = len(contexts), max(c.max_drafts for c in contexts)
+        batch, steps = len(contexts), max(c.num_drafts for c in contexts)
         hidden = np.stack([np.asarray(c.target_hidden, np.float32).ravel() for c in contexts]).reshape(batch, 1, size)
         past_key, past_value = (np.repeat(self._empty, batch, axis=0),) * 2
         previous = [c.guaranteed_token for c in contexts]
@@ -64,4 +64,4 @@ class MtpProposer(StatelessProposer):
                 row.append(token)
             if "mtp_hidden" in named:
                 hidden = named["mtp_hidden"]  # thread the head's own hidden state to the next step
-        return [Proposal(row[: c.max_drafts]) for row, c in zip(drafted, contexts)]
+        return [Proposal(row[: c.num_drafts]) for row, c in zip(drafted, contexts)]

@@ -18,9 +18,9 @@ class PromptLookupProposer(StatelessProposer):
         self.ngram, self.max_tokens = ngram, max_tokens
 
     def propose(self, context: ProposerContext) -> Proposal:
-        return Proposal(self.lookup(context.context_tokens, context.max_drafts))
+        return Proposal(self.lookup(context.context_tokens, context.num_drafts))
 
-    def lookup(self, tokens, width: int) -> list[int]:
+    def lookup(self, tokens, num_drafts: int) -> list[int]:
         tokens = list(tokens)
         n = self.ngram
         if len(tokens) <= n:
@@ -30,6 +30,6 @@ class PromptLookupProposer(StatelessProposer):
         for start in range(suffix_start - 1, -1, -1):
             if tokens[start : start + n] == suffix:
                 continuation = start + n
-                length = min(width, self.max_tokens, len(tokens) - continuation)
+                length = min(num_drafts, self.max_tokens, len(tokens) - continuation)
                 return tokens[continuation : continuation + length]
         return []

@@ -74,7 +74,7 @@ class SharedKvProposer(StatelessProposer):
             if np.asarray(context.target_hidden).size != size:
                 raise InvalidRequestError(f"target_hidden length {np.asarray(context.target_hidden).size} != "
                                           f"shared-KV proposer hidden {size}")
-        batch, steps = len(contexts), max(c.max_drafts for c in contexts)
+        batch, steps = len(contexts), max(c.num_drafts for c in contexts)
         if steps == 0:
             return [Proposal([]) for _ in contexts]
         lengths = [c.shared_kv[0].kv_len for c in contexts]
@@ -108,4 +108,4 @@ class SharedKvProposer(StatelessProposer):
                 last = [int(t) for t in np.argmax(logits[:, -1], axis=-1)]
                 for row, token in zip(drafted, last):
                     row.append(token)
-        return [Proposal(row[: c.max_drafts]) for row, c in zip(drafted, contexts)]
+        return [Proposal(row[: c.num_drafts]) for row, c in zip(drafted, contexts)]
