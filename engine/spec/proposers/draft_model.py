@@ -23,10 +23,14 @@ from typing import Sequence
 
 import numpy as np
 
-from engine.model.cached_decoder import CachedDecoder, FeedRequest
+from engine.config import EngineConfig
+from engine.errors import ModelLoadError
 from engine.kv.paged_cache import KVCacheCapacityError
-from engine.spec.sampling import processed_logits, sample, token_distribution
+from engine.model.bundle import Bundle
+from engine.model.cached_decoder import CachedDecoder, FeedRequest
 from engine.spec.proposers.base import AcceptContext, Proposal, ProposerContext
+from engine.spec.proposers.kind import LoadedProposer, ProposerKind
+from engine.spec.sampling import processed_logits, sample, token_distribution
 
 _sequence_ids = itertools.count()
 
@@ -163,3 +167,22 @@ def _choose(logits: np.ndarray, prefix: list[int], context: ProposerContext) -> 
         return int(np.argmax(processed_logits(logits, prefix, options, context.rules))), None
     q = token_distribution(logits, prefix, options, context.rules)
     return sample(q, context.rng), q
+
+
+class DraftModelKind(ProposerKind):
+    mode, deployment = "draft_model", "DraftModelProposer"
+    description = "a small LM with its own paged KV cache"
+
+    def provided_by(self, bundle: Bundle | None) -> bool:
+        return bundle is not None and bundle.has_draft()
+
+    def load(self, bundle: Bundle, config: EngineConfig, target_vocab: int) -> LoadedProposer:
+        # The draft keeps its full context: it is re-aligned to the target every round.
+        draft_config = config.model_copy(update={"sliding_window": None, "sink_tokens": 0,
+                                                 "intra_op_threads": config.proposer_threads,
+                                                 "in_place_threads": None})
+        draft = CachedDecoder(bundle.draft_dir(), draft_config)
+        if draft.decoder.vocab_size != target_vocab:
+            raise ModelLoadError(f"draft vocab {draft.decoder.vocab_size} != target vocab {target_vocab}: a draft "
+                                 "must share the target's tokenizer")
+        return LoadedProposer(self.mode, lambda: DraftModelProposer(draft), draft)

@@ -18,8 +18,11 @@ from typing import Sequence
 import numpy as np
 
 from engine.errors import InvalidRequestError, ModelLoadError
+from engine.model.bundle import Bundle
 from engine.model.heads import HeadModel
-from engine.spec.proposers.base import Proposal, ProposerContext, StatelessProposer
+from engine.spec.proposers.base import Needs, Proposal, ProposerContext, StatelessProposer
+from engine.spec.proposers.kind import HeadKind, LoadedProposer
+from engine.spec.rounds import Anchor
 
 
 class Eagle3Proposer(StatelessProposer):
@@ -81,3 +84,17 @@ class Eagle3Proposer(StatelessProposer):
             for row, token in zip(drafted, previous):
                 row.append(token)
         return [Proposal(row[: c.num_drafts]) for row, c in zip(drafted, contexts)]
+
+
+class Eagle3Kind(HeadKind):
+    mode, deployment = "eagle3", "Eagle3Proposer"
+    description = "an EAGLE-3 head fed low/mid/high target hidden states"
+    proposer = Eagle3Proposer
+
+    def head_needs(self, bundle: Bundle, config: dict, wiring: dict) -> Needs:
+        """The final hidden state and the three target layers the head fuses."""
+        return Needs(final_hidden=bundle.final_hidden_output, layer_hiddens=tuple(wiring.get("fused_hidden", ())))
+
+    def calibration_anchor(self, loaded: LoadedProposer, kv_len: int) -> Anchor:
+        hidden = np.zeros(loaded.model.hidden_size, np.float32)
+        return Anchor(hidden, (hidden,) * 3)

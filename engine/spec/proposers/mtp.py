@@ -15,6 +15,7 @@ import numpy as np
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.model.heads import HeadModel
 from engine.spec.proposers.base import Proposal, ProposerContext, StatelessProposer
+from engine.spec.proposers.kind import HeadKind
 
 
 class MtpProposer(StatelessProposer):
@@ -65,3 +66,9 @@ class MtpProposer(StatelessProposer):
             if "mtp_hidden" in named:
                 hidden = named["mtp_hidden"]  # thread the head's own hidden state to the next step
         return [Proposal(row[: c.num_drafts]) for row, c in zip(drafted, contexts)]
+
+
+class MtpKind(HeadKind):
+    mode, deployment = "mtp", "MtpProposer"
+    description = "a multi-token-prediction head read through the target's LM head"
+    proposer = MtpProposer

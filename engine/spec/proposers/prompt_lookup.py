@@ -1,7 +1,9 @@
 """Model-free prompt lookup (n-gram copy), as the seed's ``NgramProposer``."""
 from __future__ import annotations
 
-from engine.spec.proposers.base import Proposal, ProposerContext, StatelessProposer
+from engine.config import SpeculativeConfig
+from engine.spec.proposers.base import Proposal, Proposer, ProposerContext, StatelessProposer
+from engine.spec.proposers.kind import ProposerKind
 
 
 class PromptLookupProposer(StatelessProposer):
@@ -33,3 +35,11 @@ class PromptLookupProposer(StatelessProposer):
                 length = min(num_drafts, self.max_tokens, len(tokens) - continuation)
                 return tokens[continuation : continuation + length]
         return []
+
+
+class PromptLookupKind(ProposerKind):
+    mode = "prompt_lookup"
+    description = "n-gram copy from the context (no model)"
+
+    def local_proposer(self, speculative: SpeculativeConfig, num_drafts: int) -> Proposer:
+        return PromptLookupProposer(speculative.prompt_lookup_ngram, num_drafts)

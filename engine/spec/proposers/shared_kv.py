@@ -21,9 +21,12 @@ from typing import Sequence
 import numpy as np
 
 from engine.errors import InvalidRequestError, ModelLoadError
-from engine.model.heads import HeadModel
 from engine.kv.paged_cache import PagedKVCache
-from engine.spec.proposers.base import Proposal, ProposerContext, SharedKvSlice, StatelessProposer
+from engine.model.bundle import Bundle
+from engine.model.heads import HeadModel
+from engine.spec.proposers.base import Needs, Proposal, ProposerContext, SharedKvSlice, StatelessProposer
+from engine.spec.proposers.kind import HeadKind, LoadedProposer
+from engine.spec.rounds import Anchor
 
 
 def shared_kv_slices(cache: PagedKVCache, seq_id, groups: dict[str, int]) -> tuple[SharedKvSlice, ...]:
@@ -109,3 +112,22 @@ class SharedKvProposer(StatelessProposer):
                 for row, token in zip(drafted, last):
                     row.append(token)
         return [Proposal(row[: c.num_drafts]) for row, c in zip(drafted, contexts)]
+
+
+class SharedKvKind(HeadKind):
+    mode, deployment = "shared_kv", "SharedKvProposer"
+    description = "a Gemma-4-style assistant reading the target's KV cache"
+    proposer = SharedKvProposer
+
+    def head_needs(self, bundle: Bundle, config: dict, wiring: dict) -> Needs:
+        """The final hidden state and the target KV layer bound to each of the head's groups."""
+        return Needs(final_hidden=bundle.final_hidden_output, shared_kv_layers=dict(config.get("shared_kv_groups", {})))
+
+    def calibration_anchor(self, loaded: LoadedProposer, kv_len: int) -> Anchor:
+        head: HeadModel = loaded.model
+        slices = []
+        for group, layer in head.config.get("shared_kv_groups", {}).items():
+            _, heads, _, dim = head.input_shape(f"shared_kv.{group}.key")
+            kv = np.zeros((1, int(heads), kv_len, int(dim)), np.float32)
+            slices.append(SharedKvSlice(group, layer, kv, kv))
+        return Anchor(np.zeros(head.hidden_size, np.float32), None, tuple(slices))
