@@ -52,7 +52,7 @@ class ChoiceEvent:
     event: TokenEvent
 
     @property
-    def finish_reason(self) -> str | None:  # what ``router.token_writes`` looks at
+    def finish_reason(self) -> str | None:  # what ``streaming.token_writes`` looks at
         return self.event.finish_reason
 
 

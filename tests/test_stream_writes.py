@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from deployments.router import WriteBudget, cancel_when_dropped, token_writes
+from deployments.streaming import WriteBudget, cancel_when_dropped, token_writes
 from engine.spec.sequence import TokenEvent
 
 
