@@ -12,8 +12,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.model.providers import Device
 from engine.options import MAX_SPECULATIVE_TOKENS, SpeculativeMode
+
+Device = Literal["auto", "cpu", "cuda"]  # where onnxruntime sessions run (``model.providers`` resolves "auto")
 
 # What ``default_mode="auto"`` picks: the first loaded of these (fastest first on the
 # bundled models, docs/benchmarks/); target-only if none is loaded.

@@ -11,10 +11,11 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from engine.config import Device
 from engine.errors import ModelLoadError
 from engine.kv.paged_cache import LayerGeometry
 from engine.model.probe import probe_session
-from engine.model.providers import Device, create_session, session_options
+from engine.model.providers import create_session, session_options
 
 log = logging.getLogger("specserve.engine")
 INT8_FILE = "model.int8.onnx"  # a head's int8 twin, beside model.onnx (``modelbuild.int8_graph``)
