@@ -1,4 +1,5 @@
-"""Ports of the seed's proposer unit tests, run against the bundled heads and real caches."""
+"""Ports of the proposer unit tests of the Rust engine specserve reimplements (their
+names in the section comments), run against the bundled heads and real caches."""
 from __future__ import annotations
 
 import logging
@@ -28,7 +29,7 @@ def context(tokens, width, **extra) -> ProposerContext:
     return ProposerContext(num_drafts=width - 1, context_tokens=tokens, options=OPTIONS, **extra)
 
 
-# -- prompt lookup (seed: ngram_proposer_*) -------------------------------------------------
+# -- prompt lookup (Rust: ngram_proposer_*) -------------------------------------------------
 def test_ngram_copies_most_recent_matching_continuation():
     assert PromptLookupProposer(2, 4).lookup([7, 8, 9, 4, 7, 8], 3) == [9, 4, 7]
     # Through the protocol, width counts the bonus token too: width 4 = 3 drafts.
@@ -55,7 +56,7 @@ def test_ngram_respects_request_and_config_widths():
     assert PromptLookupProposer(2, 8).lookup([1, 2, 3, 4, 1, 2], 1) == [3]
 
 
-# -- shared-KV slices (seed: shared_kv_slices_pick_per_layer_geometry) ----------------------
+# -- shared-KV slices (Rust: shared_kv_slices_pick_per_layer_geometry) ----------------------
 def test_the_lm_head_graph_is_the_one_node_matmul_onnx_writes_and_computes_the_product():
     """MTP's hidden state goes through the target's LM head in a one-node onnxruntime
     graph kept as bytes (onnx is not a runtime dependency): they must be what onnx.helper
@@ -270,7 +271,7 @@ def test_heads_reject_a_target_of_another_width(bundle_engine):
         load_head("mtp", MODELS / "heads/mtp", bundle_engine.target.decoder.vocab_size, 999, "cpu")
 
 
-# -- the protocol supports non-model sources (seed: speculative_proposer_trait_*) -----------
+# -- the protocol supports non-model sources (Rust: speculative_proposer_trait_*) -----------
 class StubProposer(StatelessProposer):
     """Proposes fixed tokens; records what the round loop tells it."""
 

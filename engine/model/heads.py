@@ -1,6 +1,6 @@
 """Loading proposer heads: their ONNX sessions, their configs, and the target arrays
-(embedding table, LM head) they need outside their graphs (the seed's
-``LinearEmbedder`` / ``LinearLmHead``)."""
+(embedding table, LM head) they need outside their graphs (``LinearEmbedder`` /
+``LinearLmHead``, named after the Rust engine's)."""
 from __future__ import annotations
 
 import json

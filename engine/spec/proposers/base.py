@@ -1,6 +1,7 @@
 """The proposer protocol: every source of draft tokens looks the same to the round loop.
 
-Mirrors the seed's ``SpeculativeProposer``: ``propose`` drafts tokens for one verify
+Mirrors the ``SpeculativeProposer`` trait of the Rust engine specserve reimplements
+(every proposer here is a port of one of its proposers): ``propose`` drafts tokens for one verify
 pass, ``accept`` hears what the target committed, ``rewind`` re-aligns private state to
 the target's committed tokens, ``name`` identifies the mode. ``close`` releases
 per-request resources (a draft model's KV blocks). ``propose_batch`` drafts for several
@@ -10,7 +11,8 @@ own instance, its ``owners``), the others loop.
 
 Token convention (one target pass per round): ``context_tokens`` are the committed
 tokens; the last of them (the *pending* token, the target's own choice) is not in the
-target's KV cache yet, and is what the seed calls the guaranteed token. Proposals hold
+target's KV cache yet: the *guaranteed* token, which the round commits whatever the
+drafts (``ProposerContext.guaranteed_token``). Proposals hold
 only the drafts that follow it, at most ``num_drafts`` of them.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Model-free prompt lookup (n-gram copy), as the seed's ``NgramProposer``."""
+"""Model-free prompt lookup (n-gram copy), ported from the Rust engine's ``NgramProposer``."""
 from __future__ import annotations
 
 from engine.config import SpeculativeConfig
