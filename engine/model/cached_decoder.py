@@ -108,6 +108,12 @@ class CachedDecoder:
             return self._feed_batched(requests)
         if session_layout and self._twin_serves(requests[0]):
             return [self._feed_in_place(requests[0])]
+        return self._feed_padded(requests, session_layout)
+
+    def _feed_padded(self, requests: Sequence[FeedRequest], session_layout: bool) -> list[SequenceOutput]:
+        """``feed_batch`` as one call of the standard graph over pasts padded on the right
+        to the longest -- each in the session's own layout, or gathered from the pools --
+        and new tokens padded to the most."""
         pasts = [self.cache.session_past(r.seq_id) if session_layout else self.cache.gathered_past(r.seq_id)
                  for r in requests]
         past_lens = [p.alive.size for p in pasts]
