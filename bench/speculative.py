@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine import Engine, EngineConfig, GenerationOptions  # noqa: E402
-from engine.spec.proposers.base import ProposerContext  # noqa: E402
-from engine.spec.proposers.shared_kv import shared_kv_slices  # noqa: E402
+from engine.speculative.proposers.base import ProposerContext  # noqa: E402
+from engine.speculative.proposers.shared_kv import shared_kv_slices  # noqa: E402
 
 MODES = ["none", "prompt_lookup", "draft_model", "mtp", "eagle3", "shared_kv"]
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from engine.sched.sequence_driver import SequenceDriver
-from engine.spec.sampling import TokenLogprob
-from engine.spec.sequence import TokenEvent
-from engine.spec.stats import SpeculativeStats
+from engine.speculative.sampling import TokenLogprob
+from engine.speculative.sequence import TokenEvent
+from engine.speculative.stats import SpeculativeStats
 
 from .openai_protocol import ApiError
 

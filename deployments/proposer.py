@@ -21,7 +21,7 @@ from ray import serve
 
 from engine.sched.cost_tables import DraftCostTable
 from engine.sched.proposer_worker import ProposeItem, ProposeResult
-from engine.spec.proposers.registry import PROPOSER_KINDS
+from engine.speculative.proposers.registry import PROPOSER_KINDS
 
 from .affinity import TICK_WORKER_OPTIONS
 from .settings import ServeSettings

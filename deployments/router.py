@@ -36,8 +36,8 @@ from engine.model.tokenizer import TextTokenizer
 from engine.options import GenerationOptions
 from engine.sched.coordinator import RequestFailedError, RoundCoordinator
 from engine.sched.sequence_driver import DriverFactory, Speculation
-from engine.spec.proposers.registry import PROPOSER_KINDS
-from engine.spec.sequence import TokenEvent
+from engine.speculative.proposers.registry import PROPOSER_KINDS
+from engine.speculative.sequence import TokenEvent
 
 from .choices import admit_all, all_choices, choice_options
 from .metrics import ServeRoundMetrics

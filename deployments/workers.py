@@ -34,7 +34,7 @@ from engine.model.cached_decoder import CachedDecoder
 from engine.sched.cost_tables import DraftCostTable, VerifyCostTable
 from engine.sched.proposer_worker import ProposeItem, ProposeResult, ProposerWorker
 from engine.sched.target_worker import PrefillItem, TargetResult, TargetWorker, VerifyItem
-from engine.spec.proposers.registry import PROPOSER_KINDS
+from engine.speculative.proposers.registry import PROPOSER_KINDS
 
 from .metrics import ServeWorkerMetrics
 

@@ -20,7 +20,7 @@ from engine.sched.acceptance import AcceptanceTracker
 from engine.sched.call_pricing import CATCH_UP_STEPS
 from engine.sched.draft_length import (ENGAGE_MARGIN, EXPLORE_BATCH, DraftLengthPlanner, DraftRequest, RoundPlan,
                                       explore_wait)
-from engine.spec.proposers.registry import HEAD_MODES
+from engine.speculative.proposers.registry import HEAD_MODES
 
 from .conftest import CPU_CONFIG, MODELS, generate_concurrently
 

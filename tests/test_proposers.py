@@ -12,13 +12,13 @@ from engine.model.heads import MATMUL_GRAPH, LinearLmHead, load_head
 from engine.kv.paged_cache import LayerGeometry, PagedKVCache
 from engine.sched.metrics import RoundMetrics
 from engine.sched.proposer_worker import ProposeItem, ProposerWorker
-from engine.spec.proposers.base import Proposal, ProposerContext, StatelessProposer
-from engine.spec.proposers.eagle3 import Eagle3Proposer
-from engine.spec.proposers.mtp import MtpProposer
-from engine.spec.proposers.prompt_lookup import PromptLookupProposer
-from engine.spec.proposers.registry import LoadedProposer
-from engine.spec.proposers.shared_kv import SharedKvProposer, shared_kv_slices
-from engine.spec.reference import speculative_decode
+from engine.speculative.proposers.base import Proposal, ProposerContext, StatelessProposer
+from engine.speculative.proposers.eagle3 import Eagle3Proposer
+from engine.speculative.proposers.mtp import MtpProposer
+from engine.speculative.proposers.prompt_lookup import PromptLookupProposer
+from engine.speculative.proposers.registry import LoadedProposer
+from engine.speculative.proposers.shared_kv import SharedKvProposer, shared_kv_slices
+from engine.speculative.reference import speculative_decode
 
 from .conftest import MODELS
 
@@ -179,7 +179,7 @@ def test_a_batched_draft_model_gives_each_sequence_its_solo_drafts_in_one_run_pe
     the sequences still drafting. Greedy drafts are each sequence's solo ones; sampled
     drafts and their q are too, the request's generator drawing in the same order."""
     from engine.model.cached_decoder import CachedDecoder
-    from engine.spec.proposers.draft_model import DraftModelProposer
+    from engine.speculative.proposers.draft_model import DraftModelProposer
 
     draft = CachedDecoder(MODELS / "draft", bundle_engine.target.config)
     prompts = [bundle_engine.target.encode_prompt(heldout_prompts[i]) for i in (3, 4, 5)]
@@ -232,7 +232,7 @@ def test_draft_alignment_runs_in_calls_of_similar_lengths():
     """Every fed row costs the draft's LM head and a call pads to its longest feed: one
     sequence catching up 32 tokens is aligned apart from fifteen aligning 2 (10.7 ms
     together against 4.2 ms apart, measured), while feeds of one size share one call."""
-    from engine.spec.proposers.draft_model import ALIGN_CALL_ROWS, align_groups
+    from engine.speculative.proposers.draft_model import ALIGN_CALL_ROWS, align_groups
 
     short = {i: 2 for i in range(15)}
     assert align_groups(short) == [list(range(15))]
@@ -305,7 +305,7 @@ def test_round_loop_drives_any_proposer_and_reports_acceptance(bundle_engine, he
 def test_a_full_draft_pool_means_no_drafts_not_a_failed_request(bundle_engine, heldout_prompts):
     from engine.config import EngineConfig
     from engine.model.cached_decoder import CachedDecoder
-    from engine.spec.proposers.draft_model import DraftModelProposer
+    from engine.speculative.proposers.draft_model import DraftModelProposer
 
     tiny_draft = CachedDecoder(MODELS / "draft", EngineConfig(device="cpu", kv_num_blocks=2, kv_block_size=16))
     target = bundle_engine.target

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from deployments.streaming import WriteBudget, cancel_when_dropped, token_writes
-from engine.spec.sequence import TokenEvent
+from engine.speculative.sequence import TokenEvent
 
 
 async def _writes(rounds: list[int], interval: int) -> list[list[int]]:

@@ -60,7 +60,7 @@ def measure_draft_costs(new_proposer, anchor, vocab: int, batch: int = 8, repeat
     the work a draft does does not depend on the values). A draft model is timed after
     its own prefill, aligning 2 new tokens per round as a real round does."""
     from engine.options import GenerationOptions
-    from engine.spec.rounds import proposer_context
+    from engine.speculative.rounds import proposer_context
 
     rng = np.random.default_rng(0)
     options = GenerationOptions()

@@ -33,7 +33,7 @@ from engine.sched.metrics import RoundMetrics
 from engine.sched.proposer_worker import ProposeItem, ProposeResult
 from engine.sched.sequence_driver import SequenceDriver, tokens_behind
 from engine.sched.target_worker import PrefillItem, TargetResult, VerifyItem
-from engine.spec.proposers.registry import HEAD_MODES
+from engine.speculative.proposers.registry import HEAD_MODES
 
 log = logging.getLogger("specserve.coordinator")
 

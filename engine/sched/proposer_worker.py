@@ -22,12 +22,12 @@ import numpy as np
 from engine.errors import EngineError
 from engine.options import GenerationOptions
 from engine.sched.metrics import RoundMetrics
-from engine.spec.proposers.base import AcceptContext, Proposal, Proposer, ProposerContext
+from engine.speculative.proposers.base import AcceptContext, Proposal, Proposer, ProposerContext
 from engine.sched.calibration import CALIBRATION_PAST, measure_draft_costs
 from engine.sched.cost_tables import DraftCostTable
-from engine.spec.proposers.registry import PROPOSER_KINDS, LoadedProposer
-from engine.spec.rounds import Anchor, proposer_context
-from engine.spec.sampling import SequenceRules
+from engine.speculative.proposers.registry import PROPOSER_KINDS, LoadedProposer
+from engine.speculative.rounds import Anchor, proposer_context
+from engine.speculative.sampling import SequenceRules
 
 log = logging.getLogger("specserve.proposer")
 

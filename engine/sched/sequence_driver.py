@@ -2,7 +2,7 @@
 
 A ``SequenceDriver`` never touches a model: it builds the small messages for the
 target and proposer workers (``PrefillItem``, ``ProposeItem``, ``VerifyItem``) and applies
-what comes back, using the pieces of ``spec/rounds.py``: ``drafts_allowed``,
+what comes back, using the pieces of ``speculative/rounds.py``: ``drafts_allowed``,
 ``commit_outcome`` (through ``SequenceState.commit``) and ``record_round``. A model-free
 proposer (prompt lookup) runs right here: it needs only the committed tokens, which the
 coordinator already holds, so a hop would cost more than the lookup.
@@ -20,12 +20,12 @@ from engine.model.tokenizer import TextTokenizer, encode_prompt
 from engine.options import SPECULATIVE_MODES, GenerationOptions
 from engine.sched.proposer_worker import ProposeItem, ProposeResult
 from engine.sched.target_worker import PrefillItem, VerifyItem
-from engine.spec.proposers.base import NO_NEEDS, AcceptContext, Needs, Proposer
-from engine.spec.proposers.registry import PROPOSER_KINDS
-from engine.spec.rounds import (Anchor, RoundOutcome, commit_outcome, drafts_allowed, proposer_context, record_round,
-                                tokens_left)
-from engine.spec.sequence import SequenceState, TokenCallback
-from engine.spec.stats import SpeculativeStats
+from engine.speculative.proposers.base import NO_NEEDS, AcceptContext, Needs, Proposer
+from engine.speculative.proposers.registry import PROPOSER_KINDS
+from engine.speculative.rounds import (Anchor, RoundOutcome, commit_outcome, drafts_allowed, proposer_context,
+                                       record_round, tokens_left)
+from engine.speculative.sequence import SequenceState, TokenCallback
+from engine.speculative.stats import SpeculativeStats
 
 
 class VerifiedRound(NamedTuple):

@@ -5,7 +5,7 @@ A router sends a batch of small items per tick -- prefills (prompt tokens) and v
 count, the committed tokens, their logprobs and the hidden-state anchor. Logits never
 leave this worker and the KV cache never moves: the worker keeps each sequence's
 committed tokens, options and sampling generator next to its KV pages, so a verify item
-is O(k). Verification itself is ``spec/rounds.verify_on_target``, the same code the
+is O(k). Verification itself is ``speculative/rounds.verify_on_target``, the same code the
 reference loop runs. The in-process engine and every target replica run this worker.
 
 Physical KV blocks are granted by the block ledger (in-process, or the KV-manager
@@ -27,10 +27,10 @@ from engine.sched.cost_tables import VerifyCostTable
 from engine.sched.verify_split import verify_groups
 from engine.errors import EngineError
 from engine.options import GenerationOptions
-from engine.spec.proposers.base import Needs
-from engine.spec.proposers.shared_kv import shared_kv_slices
-from engine.spec.rounds import Anchor, RoundOutcome, prompt_logprobs, verify_on_target
-from engine.spec.sampling import SequenceRules
+from engine.speculative.proposers.base import Needs
+from engine.speculative.proposers.shared_kv import shared_kv_slices
+from engine.speculative.rounds import Anchor, RoundOutcome, prompt_logprobs, verify_on_target
+from engine.speculative.sampling import SequenceRules
 
 log = logging.getLogger("specserve.target")
 

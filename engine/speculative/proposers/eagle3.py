@@ -20,9 +20,9 @@ import numpy as np
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.model.bundle import Bundle
 from engine.model.heads import HeadModel
-from engine.spec.proposers.base import Needs, Proposal, ProposerContext, StatelessProposer
-from engine.spec.proposers.kind import HeadKind, LoadedProposer
-from engine.spec.rounds import Anchor
+from engine.speculative.proposers.base import Needs, Proposal, ProposerContext, StatelessProposer
+from engine.speculative.proposers.kind import HeadKind, LoadedProposer
+from engine.speculative.rounds import Anchor
 
 
 class Eagle3Proposer(StatelessProposer):

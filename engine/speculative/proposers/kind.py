@@ -18,8 +18,8 @@ from engine.errors import ModelLoadError
 from engine.model.bundle import Bundle
 from engine.model.cached_decoder import CachedDecoder
 from engine.model.heads import HeadModel, load_head
-from engine.spec.proposers.base import NO_NEEDS, Needs, Proposer
-from engine.spec.rounds import Anchor
+from engine.speculative.proposers.base import NO_NEEDS, Needs, Proposer
+from engine.speculative.rounds import Anchor
 
 
 @dataclass

@@ -26,11 +26,12 @@ import numpy as np
 
 from engine.model.cached_decoder import CachedDecoder
 from engine.options import GenerationOptions
-from engine.spec.proposers.base import NO_NEEDS, AcceptContext, Needs, Proposer
-from engine.spec.proposers.shared_kv import shared_kv_slices
-from engine.spec.rounds import Anchor, commit_outcome, drafts_allowed, proposer_context, record_round, verify_on_target
-from engine.spec.sequence import SequenceState
-from engine.spec.stats import SpeculativeStats
+from engine.speculative.proposers.base import NO_NEEDS, AcceptContext, Needs, Proposer
+from engine.speculative.proposers.shared_kv import shared_kv_slices
+from engine.speculative.rounds import (Anchor, commit_outcome, drafts_allowed, proposer_context, record_round,
+                                       verify_on_target)
+from engine.speculative.sequence import SequenceState
+from engine.speculative.stats import SpeculativeStats
 
 _ids = itertools.count()
 

@@ -12,7 +12,7 @@ decoding commits them.
 ``sched/target_worker.py``) and returns a small ``RoundOutcome`` -- exactly what a remote
 target sends back. ``drafts_allowed``, ``proposer_context``, ``commit_outcome`` and
 ``record_round`` are used by the scheduler (``sched/``) and by the one-page reference
-loop (``spec/reference.py``) alike.
+loop (``speculative/reference.py``) alike.
 """
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ import numpy as np
 from engine.errors import EngineError
 from engine.model.cached_decoder import CachedDecoder, SequenceOutput
 from engine.options import GenerationOptions
-from engine.spec.proposers.base import Needs, ProposerContext, SharedKvSlice
-from engine.spec.sampling import SequenceRules, TokenLogprob, token_logprob, token_logprobs
-from engine.spec.sequence import SequenceState
-from engine.spec.stats import SpeculativeStats
-from engine.spec.verify import verify
+from engine.speculative.proposers.base import Needs, ProposerContext, SharedKvSlice
+from engine.speculative.sampling import SequenceRules, TokenLogprob, token_logprob, token_logprobs
+from engine.speculative.sequence import SequenceState
+from engine.speculative.stats import SpeculativeStats
+from engine.speculative.verify import verify
 
 
 class NoProgressError(EngineError):

@@ -28,9 +28,9 @@ from engine.errors import ModelLoadError
 from engine.kv.paged_cache import KVCacheCapacityError
 from engine.model.bundle import Bundle
 from engine.model.cached_decoder import CachedDecoder, FeedRequest
-from engine.spec.proposers.base import AcceptContext, Proposal, ProposerContext
-from engine.spec.proposers.kind import LoadedProposer, ProposerKind
-from engine.spec.sampling import processed_logits, sample, token_distribution
+from engine.speculative.proposers.base import AcceptContext, Proposal, ProposerContext
+from engine.speculative.proposers.kind import LoadedProposer, ProposerKind
+from engine.speculative.sampling import processed_logits, sample, token_distribution
 
 _sequence_ids = itertools.count()
 

@@ -24,9 +24,9 @@ from engine.errors import InvalidRequestError, ModelLoadError
 from engine.kv.paged_cache import PagedKVCache
 from engine.model.bundle import Bundle
 from engine.model.heads import HeadModel
-from engine.spec.proposers.base import Needs, Proposal, ProposerContext, SharedKvSlice, StatelessProposer
-from engine.spec.proposers.kind import HeadKind, LoadedProposer
-from engine.spec.rounds import Anchor
+from engine.speculative.proposers.base import Needs, Proposal, ProposerContext, SharedKvSlice, StatelessProposer
+from engine.speculative.proposers.kind import HeadKind, LoadedProposer
+from engine.speculative.rounds import Anchor
 
 
 def shared_kv_slices(cache: PagedKVCache, seq_id, groups: dict[str, int]) -> tuple[SharedKvSlice, ...]:

@@ -12,12 +12,12 @@ from __future__ import annotations
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.model.bundle import Bundle
-from engine.spec.proposers.draft_model import DraftModelKind
-from engine.spec.proposers.eagle3 import Eagle3Kind
-from engine.spec.proposers.kind import HeadKind, LoadedProposer, ProposerKind
-from engine.spec.proposers.mtp import MtpKind
-from engine.spec.proposers.prompt_lookup import PromptLookupKind
-from engine.spec.proposers.shared_kv import SharedKvKind
+from engine.speculative.proposers.draft_model import DraftModelKind
+from engine.speculative.proposers.eagle3 import Eagle3Kind
+from engine.speculative.proposers.kind import HeadKind, LoadedProposer, ProposerKind
+from engine.speculative.proposers.mtp import MtpKind
+from engine.speculative.proposers.prompt_lookup import PromptLookupKind
+from engine.speculative.proposers.shared_kv import SharedKvKind
 
 PROPOSER_KINDS: dict[str, ProposerKind] = {kind.mode: kind for kind in (
     PromptLookupKind(), DraftModelKind(), MtpKind(), Eagle3Kind(), SharedKvKind())}

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from engine.config import SpeculativeConfig
-from engine.spec.proposers.base import Proposal, Proposer, ProposerContext, StatelessProposer
-from engine.spec.proposers.kind import ProposerKind
+from engine.speculative.proposers.base import Proposal, Proposer, ProposerContext, StatelessProposer
+from engine.speculative.proposers.kind import ProposerKind
 
 
 class PromptLookupProposer(StatelessProposer):

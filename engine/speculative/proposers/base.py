@@ -23,7 +23,7 @@ from typing import Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from engine.options import GenerationOptions
-from engine.spec.sampling import SequenceRules
+from engine.speculative.sampling import SequenceRules
 
 
 @dataclass(frozen=True)

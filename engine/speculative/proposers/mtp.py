@@ -14,8 +14,8 @@ import numpy as np
 
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.model.heads import HeadModel
-from engine.spec.proposers.base import Proposal, ProposerContext, StatelessProposer
-from engine.spec.proposers.kind import HeadKind
+from engine.speculative.proposers.base import Proposal, ProposerContext, StatelessProposer
+from engine.speculative.proposers.kind import HeadKind
 
 
 class MtpProposer(StatelessProposer):
