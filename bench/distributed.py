@@ -113,7 +113,7 @@ def snapshot(base_url: str, mode: str) -> dict[str, float]:
 
     from ray import serve
 
-    from engine.spec.proposers.registry import PROPOSER_KINDS
+    from engine.speculative.proposers.registry import PROPOSER_KINDS
 
     status = json.loads(urlopen(f"{base_url}/specserve/status").read())
     target = serve.get_deployment_handle("TargetModel", "specserve").kv_usage.remote().result()

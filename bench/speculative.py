@@ -24,8 +24,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
 from engine import Engine, EngineConfig, GenerationOptions  # noqa: E402
-from engine.spec.proposers.base import ProposerContext  # noqa: E402
-from engine.spec.proposers.shared_kv import shared_kv_slices  # noqa: E402
+from engine.speculative.proposers.base import ProposerContext  # noqa: E402
+from engine.speculative.proposers.shared_kv import shared_kv_slices  # noqa: E402
 
 MODES = ["none", "prompt_lookup", "draft_model", "mtp", "eagle3", "shared_kv"]
 
@@ -77,7 +77,7 @@ def step_costs(engine: Engine, prompt: str, runs: int = 100) -> dict[str, float]
         proposer = engine.proposers[mode].new_proposer()
         needs = engine.needs.get(mode)
         ctx = ProposerContext(
-            width=2, context_tokens=tokens, options=GenerationOptions(),
+            num_drafts=1, context_tokens=tokens, options=GenerationOptions(),
             target_hidden=out.extras["hidden_states"][-1],
             target_hidden_layers=tuple(out.extras[n][-1] for n in needs.layer_hiddens) if needs else None,
             shared_kv=shared_kv_slices(target.cache, "bench", needs.shared_kv_layers)

@@ -17,7 +17,7 @@ from ray.serve import Application
 from engine.errors import ModelLoadError
 from engine.model.bundle import Bundle
 from engine.sched.sequence_driver import resolve_default_mode, served_modes
-from engine.spec.proposers.registry import MODEL_MODES, provided_modes
+from engine.speculative.proposers.registry import MODEL_MODES, provided_modes
 
 from .proposer import ProposerModel
 from .router import RouterIngress

@@ -46,7 +46,7 @@ class ServeRoundMetrics(RoundMetrics):
     def __init__(self) -> None:
         super().__init__()
         self.recovered_faults = recovered_faults_counter()
-        self.num_drafts = metrics.Counter(
+        self.drafting_rounds = metrics.Counter(
             "spec_decode_num_drafts", "verify rounds that checked at least one draft token", tag_keys=MODE)
         self.num_draft_tokens = metrics.Counter(
             "spec_decode_num_draft_tokens", "draft tokens proposed and verified", tag_keys=MODE)
@@ -108,23 +108,23 @@ class ServeRoundMetrics(RoundMetrics):
             if value:
                 counter.inc(value, dict(tags))
         lengths, self._draft_lengths = self._draft_lengths, []
-        for mode, drafts in lengths:
-            self.draft_length_histogram.observe(drafts, {"mode": mode})
+        for mode, num_drafts in lengths:
+            self.draft_length_histogram.observe(num_drafts, {"mode": mode})
 
-    def draft_length(self, mode: str, drafts: int) -> None:
-        self._draft_lengths.append((mode, drafts))  # observed at the tick's flush
+    def draft_length(self, mode: str, num_drafts: int) -> None:
+        self._draft_lengths.append((mode, num_drafts))  # observed at the tick's flush
 
-    def verify_round(self, mode: str, drafts: int, accepted: int, committed: int) -> None:
+    def verify_round(self, mode: str, num_drafts: int, accepted: int, committed: int) -> None:
         tags = (("mode", mode),)
         add = self._pending
         add[(self.verify_rounds, tags)] += 1
         add[(self.committed_tokens, tags)] += committed
-        if drafts == 0:
+        if num_drafts == 0:
             return
-        add[(self.num_drafts, tags)] += 1
-        add[(self.num_draft_tokens, tags)] += drafts
+        add[(self.drafting_rounds, tags)] += 1
+        add[(self.num_draft_tokens, tags)] += num_drafts
         add[(self.num_accepted_tokens, tags)] += accepted
-        add[(self.wasted_draft_tokens, tags)] += drafts - accepted
+        add[(self.wasted_draft_tokens, tags)] += num_drafts - accepted
         for position in range(accepted):
             add[(self.accepted_per_pos, (("mode", mode), ("position", str(position))))] += 1
 

@@ -18,10 +18,10 @@ import re
 import types
 from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictInt, ValidationInfo, field_validator, model_validator
 
-from engine.options import MAX_LOGIT_BIAS, MAX_SPECULATIVE_TOKENS, GenerationOptions, SpeculativeMode
+from engine.options import (MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, GenerationOptions, LogitBiasValue, OptionFields,
+                            TokenId, checked_stops)
 
 MAX_CHOICES = 16  # n: each choice reserves its own KV
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")  # a logit_bias key (a token id, as a string)
@@ -70,7 +70,11 @@ class StreamOptions(_OpenAIModel):
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
-class _SamplingFields(_OpenAIModel):
+class _SamplingFields(_OpenAIModel, OptionFields):
+    """The sampling and speculation fields of a completion or chat request: the engine's
+    ``OptionFields`` (top_p, the penalties, min_tokens, ignore_eos and the speculative
+    extensions) as they are, and the fields whose wire form or limits are OpenAI's."""
+
     _NEUTRAL_NULLS: ClassVar[frozenset[str]] = frozenset({
         "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "metadata", "store",
         "service_tier", "prediction"})
@@ -78,36 +82,26 @@ class _SamplingFields(_OpenAIModel):
     model: str | None = Field(None, examples=["SmolLM2-135M-Instruct"])  # optional, as vLLM's; checked when given
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_CHOICES)  # each choice is a sequence of its own (seeded: seed + its index)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, Annotated[StrictFloat, Field(ge=-100.0, le=100.0)]] | None = Field(
-        None, max_length=MAX_LOGIT_BIAS)
+    logit_bias: dict[str, Annotated[LogitBiasValue, Strict()]] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
     response_format: dict[str, Any] | None = None  # only plain text: {"type": "text"}
     # extensions
     top_k: int = Field(0, ge=-1)  # 0 or -1 (vLLM's spelling): no top-k cut
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
-    ignore_eos: bool = False
-    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = Field(None, max_length=64)  # vLLM's
-    min_tokens: int = Field(0, ge=0)  # vLLM's: no EOS, stop token or stop string before this many tokens
-    speculative_mode: SpeculativeMode | None = None
-    num_speculative_tokens: int | None = Field(None, ge=1, le=MAX_SPECULATIVE_TOKENS)
-    adaptive_speculation: bool | None = None  # False pins every round to num_speculative_tokens drafts
+    stop_token_ids: list[Annotated[TokenId, Strict()]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)  # vLLM's
     return_token_ids: bool = False
 
     @field_validator("stop")
     @classmethod
     def _stops(cls, value):
-        stops = [value] if isinstance(value, str) else list(value or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop takes up to 4 non-empty strings")
-        return stops
+        stops = (value,) if isinstance(value, str) else tuple(value or ())
+        if len(stops) > 4:
+            raise ValueError("stop takes up to 4 strings")
+        return checked_stops(stops)
 
     @field_validator("top_k")
     @classmethod
@@ -141,16 +135,15 @@ class _SamplingFields(_OpenAIModel):
         return value
 
     def options(self, max_tokens: int, logprobs: bool, top_logprobs: int) -> GenerationOptions:
-        return GenerationOptions(max_new_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                                 top_k=self.top_k, repetition_penalty=self.repetition_penalty, seed=self.seed,
-                                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+        """The engine's options for this request: the shared ``OptionFields`` as they are,
+        the others from their wire form, and the token budget and logprobs the router
+        worked out."""
+        shared = {name: getattr(self, name) for name in OptionFields.model_fields}
+        return GenerationOptions(**shared, max_new_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
+                                 seed=self.seed, stop=self.stop,
                                  logit_bias={int(key): bias for key, bias in (self.logit_bias or {}).items()},
-                                 min_tokens=self.min_tokens,
-                                 stop=tuple(self.stop or ()), stop_token_ids=tuple(self.stop_token_ids or ()),
-                                 ignore_eos=self.ignore_eos, logprobs=logprobs,
-                                 top_logprobs=top_logprobs, speculative_mode=self.speculative_mode,
-                                 num_speculative_tokens=self.num_speculative_tokens,
-                                 adaptive_speculation=self.adaptive_speculation)
+                                 stop_token_ids=tuple(self.stop_token_ids or ()), logprobs=logprobs,
+                                 top_logprobs=top_logprobs)
 
 
 class CompletionRequest(_SamplingFields):

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from engine.sched.sequence_driver import SequenceDriver
-from engine.spec.sampling import TokenLogprob
-from engine.spec.sequence import TokenEvent
-from engine.spec.stats import SpeculativeStats
+from engine.speculative.sampling import TokenLogprob
+from engine.speculative.sequence import TokenEvent
+from engine.speculative.stats import SpeculativeStats
 
 from .openai_protocol import ApiError
 
@@ -52,7 +52,7 @@ class ChoiceEvent:
     event: TokenEvent
 
     @property
-    def finish_reason(self) -> str | None:  # what ``router.token_writes`` looks at
+    def finish_reason(self) -> str | None:  # what ``streaming.token_writes`` looks at
         return self.event.finish_reason
 
 

@@ -19,9 +19,9 @@ from typing import Hashable, Sequence
 import ray
 from ray import serve
 
-from engine.sched.costs import DraftCostTable
+from engine.sched.cost_tables import DraftCostTable
 from engine.sched.proposer_worker import ProposeItem, ProposeResult
-from engine.spec.proposers.registry import PROPOSER_KINDS
+from engine.speculative.proposers.registry import PROPOSER_KINDS
 
 from .affinity import TICK_WORKER_OPTIONS
 from .settings import ServeSettings
@@ -61,7 +61,7 @@ class ProposerModel:
         return served_by, results, self.worker if self.direct else None
 
     async def draft_costs(self) -> DraftCostTable:
-        """This replica's measured draft costs (``engine.sched.costs``), measured at start-up."""
+        """This replica's measured draft costs (``engine.sched.calibration``), measured at start-up."""
         return await self.worker.draft_costs.remote()
 
     async def transport_stats(self, replica_hint: str | None = None) -> dict:

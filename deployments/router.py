@@ -6,20 +6,19 @@ tokens, streaming state) and the ``RoundCoordinator`` tick loop that batches eve
 active request's round into one call per proposer replica and one per target replica,
 here over ``ServeTransport``. It holds ObjectRefs, never tensors. Prompt lookup runs
 here: it needs only the committed tokens the router already has. Response bodies and
-SSE chunks are shaped in ``openai_responses.py``.
+SSE chunks are shaped in ``openai_responses.py``, stream writes grouped in ``streaming.py``,
+a request's choices handled in ``choices.py``, and every request passes ``RequestGuard``
+(``request_guard.py``) first.
 """
 from __future__ import annotations
 
 import asyncio
-import hmac
 import importlib.metadata
 import logging
-import math
 import os
 import time
 import uuid
-import weakref
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -36,43 +35,29 @@ from engine.model.chat import ChatTemplate
 from engine.model.tokenizer import TextTokenizer
 from engine.options import GenerationOptions
 from engine.sched.coordinator import RequestFailedError, RoundCoordinator
-from engine.sched.sequence_driver import DriverFactory
-from engine.spec.proposers.registry import PROPOSER_KINDS
-from engine.spec.sequence import TokenEvent
+from engine.sched.sequence_driver import DriverFactory, Speculation
+from engine.speculative.proposers.registry import PROPOSER_KINDS
+from engine.speculative.sequence import TokenEvent
 
+from .choices import admit_all, all_choices, choice_options
 from .metrics import ServeRoundMetrics
 from .openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .openai_responses import SSE_DONE, ChoiceEvent, Echo, ResponseShaper
+from .request_guard import RequestGuard
 from .settings import ServeSettings
+from .streaming import WriteBudget, cancel_when_dropped, token_writes
 from .transport import ServeTransport
 
 log = logging.getLogger("specserve.router")
 app = FastAPI(title="specserve", description="Lossless speculative decoding behind an OpenAI-compatible API.")
 
 
-_guard = {"api_key": None, "max_body_bytes": 1 << 20}  # set by the Router replica at start-up
-
-
 @app.middleware("http")
-async def _authenticate_and_limit(request: Request, call_next):
-    """Optional bearer-token auth and a request body size limit, before any parsing.
-
-    The key is compared in constant time and never logged or echoed."""
-    if request.method == "POST":
-        length = request.headers.get("content-length")
-        if length is None:
-            return JSONResponse(ApiError(411, "a Content-Length header is required").body(), status_code=411)
-        if not length.isdigit() or int(length) > _guard["max_body_bytes"]:
-            return JSONResponse(ApiError(413, f"request body larger than {_guard['max_body_bytes']} bytes").body(),
-                                status_code=413)
-    key = _guard["api_key"]
-    if key and request.url.path != "/health":
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
-            return JSONResponse(ApiError(401, "missing or invalid API key (Authorization: Bearer <key>)",
-                                         type_="authentication_error", code="invalid_api_key").body(),
-                                status_code=401)
-    return await call_next(request)
+async def _guarded(request: Request, call_next):
+    """Every request passes the replica's ``RequestGuard`` first, before any parsing. The
+    replica's ``Router`` is found as Serve's class-based routes find their ``self``."""
+    refusal = serve.get_replica_context().servable_object.guard.refusal(request)
+    return refusal if refusal is not None else await call_next(request)
 
 
 @app.exception_handler(Exception)
@@ -143,9 +128,8 @@ class Router:
         self._open_streams = 0  # streaming responses in progress: they share the write budget
         self.write_budget = WriteBudget(self.settings.stream_writes_per_s)
         self._gauges: asyncio.Task | None = None
-        _guard["api_key"] = os.environ.get(self.settings.api_key_env) or None
-        _guard["max_body_bytes"] = self.settings.max_body_bytes
-        log.info("router: API key %s", "required" if _guard["api_key"] else "not configured (open access)")
+        self.guard = RequestGuard(os.environ.get(self.settings.api_key_env), self.settings.max_body_bytes)
+        log.info("router: API key %s", "required" if self.guard.api_key else "not configured (open access)")
 
     # -- start-up ------------------------------------------------------------------------
     async def _ensure_ready(self) -> None:
@@ -234,15 +218,15 @@ class Router:
         prompts = [self._encode(prompt, f"prompt[{i}]" if len(body.prompts) > 1 else "prompt")
                    for i, prompt in enumerate(body.prompts)]
         longest = max(len(ids) for ids in prompts)
-        options = self._options(body, self._max_tokens(body.max_tokens, longest), body.logprobs is not None,
-                                body.logprobs or 0, longest)
+        options, speculation = self._options(body, self._max_tokens(body.max_tokens, longest),
+                                             body.logprobs is not None, body.logprobs or 0, longest)
         echoes = None
         if body.echo:  # each prompt as sent (ids: their text), and its first token, which has no logprob
             echoes = [Echo(prompt if isinstance(prompt, str) else self.tokenizer.decode(ids),
                            self.tokenizer.token_text(ids[0])) for prompt, ids in zip(body.prompts, prompts)]
             if body.logprobs is not None:
                 options = options.model_copy(update={"prompt_logprobs": body.logprobs})
-        return await self._serve(body, options, prompts, chat=False, echoes=echoes)
+        return await self._serve(body, options, speculation, prompts, chat=False, echoes=echoes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
@@ -252,8 +236,8 @@ class Router:
         prompt_ids = self._encode(prompt)
         max_tokens = self._max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt_ids),
                                       "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
-        options = self._options(body, max_tokens, body.logprobs, body.top_logprobs or 0, len(prompt_ids))
-        return await self._serve(body, options, [prompt_ids], chat=True)
+        options, speculation = self._options(body, max_tokens, body.logprobs, body.top_logprobs or 0, len(prompt_ids))
+        return await self._serve(body, options, speculation, [prompt_ids], chat=True)
 
     @app.post("/tokenize")
     async def tokenize(self, body: TokenizeRequest) -> dict:
@@ -300,7 +284,9 @@ class Router:
                            code="context_length_exceeded")
         return requested
 
-    def _options(self, body, max_tokens: int, logprobs: bool, top: int, prompt_tokens: int) -> GenerationOptions:
+    def _options(self, body, max_tokens: int, logprobs: bool, top: int,
+                 prompt_tokens: int) -> tuple[GenerationOptions, Speculation]:
+        """The request's options, checked against this deployment (``DriverFactory.validate``)."""
         room = min(max_tokens, self.max_context - prompt_tokens)  # what the request can generate
         if body.min_tokens > room:
             raise ApiError(400, f"min_tokens ({body.min_tokens}) must not exceed what the request can generate "
@@ -312,14 +298,9 @@ class Router:
             raise ApiError(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}",
                            param=str(first["loc"][0]) if first["loc"] else None) from exc
         try:
-            self.factory.resolve_mode(options)
-        except (ValueError, InvalidRequestError) as exc:
-            raise ApiError(400, str(exc), param="speculative_mode") from exc
-        try:
-            self.factory.check_token_ids(options)
+            return options, self.factory.validate(options)
         except InvalidRequestError as exc:
             raise ApiError(400, str(exc), param=exc.param) from exc
-        return options
 
     def _encode(self, prompt, name: str = "prompt") -> list[int]:
         """``name``: what the error calls it (``prompt[i]`` in a batch)."""
@@ -330,8 +311,8 @@ class Router:
             raise ApiError(400, message, param="prompt", code="context_length_exceeded"
                            if "context limit" in str(exc) else None) from exc
 
-    async def _serve(self, body, options: GenerationOptions, prompts: list[list[int]], chat: bool,
-                     echoes: list[Echo] | None = None):
+    async def _serve(self, body, options: GenerationOptions, speculation: Speculation, prompts: list[list[int]],
+                     chat: bool, echoes: list[Echo] | None = None):
         """Run the request's choices -- ``n`` per prompt, prompt i's choice j at index
         i * n + j, as vLLM numbers them -- each a sequence of its own (admitted together,
         or the request refused), and answer with all of them, or stream them as they commit."""
@@ -347,7 +328,7 @@ class Router:
                 if body.stream:
                     queue.put_nowait(ChoiceEvent(index, event))
 
-            drivers.append(self.factory.create(uuid.uuid4().hex, prompt_ids, choice, on_token))
+            drivers.append(self.factory.create(uuid.uuid4().hex, prompt_ids, choice, on_token, speculation))
             stamps.append(times)
         # 503 here, before any stream starts; a choice that cannot be admitted takes its siblings with it
         try:
@@ -430,134 +411,6 @@ def _as_api_error(exc: BaseException) -> ApiError:
         return ApiError(500, str(exc), type_="server_error")
     log.exception("request failed", exc_info=exc)
     return ApiError(500, f"internal error: {type(exc).__name__}", type_="server_error")
-
-
-class WriteBudget:
-    """The router's stream writes per second, against its budget (``stream_writes_per_s``).
-
-    Each write is a message to Serve's HTTP proxy; at load, one-round calls would send
-    one per round per stream. While the router writes more than the budget, each stream
-    waits its share, (open streams - 1) / budget, between writes, so writes carry
-    several rounds; below the budget nothing waits (eight-round target-only calls at 16
-    streams write ~100 a second and are never held). The rate is a moving average over
-    about ``window_s``."""
-
-    def __init__(self, per_s: float | None, window_s: float = 1.0) -> None:
-        self.per_s, self.window_s = per_s, window_s
-        self._rate, self._at = 0.0, 0.0
-        self.writes = 0  # in all (``/specserve/status``)
-
-    def rate(self, now: float) -> float:
-        return self._rate * math.exp(-(now - self._at) / self.window_s)
-
-    def wrote(self, now: float) -> None:
-        self._rate, self._at = self.rate(now) + 1.0 / self.window_s, now
-        self.writes += 1
-
-    def gap_s(self, now: float, open_streams: int) -> float:
-        if not self.per_s or self.rate(now) <= self.per_s:
-            return 0.0
-        return max(0, open_streams - 1) / self.per_s
-
-
-async def admit_all(coordinator: RoundCoordinator, drivers: list, rejected: Callable[[object, str], None]) -> list:
-    """Admit every choice of a request at once, or none (``RoundCoordinator.admit_many``:
-    the KV of all of them is reserved together, so a request never holds part of it while
-    it waits for the rest); ``rejected(driver, outcome)`` is called for each choice of one
-    that was not admitted, with "cancelled" where its caller went away, else "rejected"."""
-    try:
-        return await coordinator.admit_many(drivers)
-    except BaseException as exc:
-        outcome = "cancelled" if isinstance(exc, asyncio.CancelledError) else "rejected"
-        for driver in drivers:
-            rejected(driver, outcome)
-        raise
-
-
-def choice_options(options: GenerationOptions, n: int) -> list[GenerationOptions]:
-    """Each of ``n`` choices' options: a seeded request's choice i draws from seed + i, as
-    vLLM seeds its parallel samples, so each choice differs and the whole is reproducible."""
-    if options.seed is None:
-        return [options] * n
-    return [options.model_copy(update={"seed": options.seed + i}) for i in range(n)]
-
-
-async def all_choices(tasks: list[asyncio.Task]) -> None:
-    """Wait for every choice of a request; on the first failure, or when cancelled, the
-    rest are cancelled too (their sequences retired, their KV freed)."""
-    try:
-        await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            task.cancel()  # a no-op for a finished one
-
-
-def cancel_when_dropped(stream: AsyncIterator[str], run: asyncio.Future) -> None:
-    """Cancel ``run`` once ``stream`` is garbage: a stream whose client left before its
-    first chunk is never started, so its own ``finally`` (which cancels the request when
-    the client goes mid-stream) never runs, and the request would decode to its end.
-    Thread-safe: the collector may run in another of the replica's threads."""
-    loop = asyncio.get_running_loop()
-
-    def cancel() -> None:
-        if not loop.is_closed():
-            loop.call_soon_threadsafe(run.cancel)  # a no-op for a run that finished
-
-    weakref.finalize(stream, cancel)
-
-
-async def token_writes(queue: asyncio.Queue, interval: int = 1, min_gap_s: Callable[[], float] | None = None
-                       ) -> AsyncIterator[list[ChoiceEvent | TokenEvent]]:
-    """Group a request's committed tokens (``None`` ends the queue; each has a
-    ``finish_reason``: the router queues its choices' ``ChoiceEvent``s) into stream writes.
-
-    A round commits several tokens at once and they go as one write, so a round costs one
-    message to the HTTP proxy, not one per token. With ``interval`` > 1 a write also waits
-    until it holds that many tokens (vLLM's ``--stream-interval``), and with ``min_gap_s``
-    until that many seconds have passed since the stream's last write (asked afresh each
-    write: the router's write budget shared by its open streams). Neither ever holds the
-    first token (time to first token is unchanged) or the last ones (the one with a
-    ``finish_reason`` goes at once, not when the request's end is queued, which trails it
-    by the rest of the coordinator's tick)."""
-    loop = asyncio.get_running_loop()
-    sent, last_write = 0, 0.0
-    getter: asyncio.Future | None = None  # a get kept across a gap's timeout: one task per wait, not per round
-    try:
-        while True:
-            if getter is None:
-                events = [await queue.get()]
-            else:
-                events, getter = [await getter], None
-            while True:
-                while not queue.empty():
-                    events.append(queue.get_nowait())
-                last = events[-1]
-                if last is None or sent == 0 or any(e is not None and e.finish_reason is not None for e in events):
-                    break  # (one choice's finishing token among a sibling's goes at once too)
-                if len(events) < interval:
-                    events.append(await queue.get())
-                    continue
-                wait = last_write + (min_gap_s() if min_gap_s is not None else 0.0) - loop.time()
-                if wait <= 0:
-                    break
-                getter = asyncio.ensure_future(queue.get())
-                done, _ = await asyncio.wait({getter}, timeout=wait)
-                if not done:
-                    break  # the gap has passed: write; the pending get carries on for the next write
-                events.append(getter.result())
-                getter = None
-            finished = events[-1] is None
-            if finished:
-                events.pop()
-            if events:
-                sent += len(events)
-                yield events
-                last_write = loop.time()
-            if finished:
-                return
-    finally:
-        if getter is not None:
-            getter.cancel()
 
 
 # The FastAPI routes above are methods of ``Router``; Serve's ingress wrapper binds them

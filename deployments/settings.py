@@ -34,8 +34,7 @@ class ServeSettings(BaseModel):
     stream_interval: int = Field(1, ge=1, description=(
         "stream a request's tokens in writes of at least this many (the first and the last go at once), as "
         "vLLM's --stream-interval: 1 sends every round's tokens as they commit; more saves the router and "
-        "the HTTP proxy a message per round per request (measured here at 16 streams, target-only: 4 took "
-        "611-628 to 678-714 tokens/s)"))
+        "the HTTP proxy a message per round per request (docs/benchmarks/ measures the gain)"))
     stream_writes_per_s: float | None = Field(250.0, gt=0, description=(
         "the router's budget of stream writes per second: while it writes more, each stream waits its share, "
         "(open streams - 1) / budget, between writes (never for its first or last tokens), so at load a "

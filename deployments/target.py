@@ -14,7 +14,7 @@ import ray
 from ray import serve
 from ray.serve.config import DeploymentActorConfig
 
-from engine.sched.costs import VerifyCostTable
+from engine.sched.cost_tables import VerifyCostTable
 from engine.sched.target_worker import PrefillItem, TargetResult, VerifyItem
 
 from .affinity import TICK_WORKER_OPTIONS
@@ -108,7 +108,7 @@ class TargetModel:
         return await self.worker.step.remote(self.replica_id, prefills, verifies, releases)
 
     async def verify_costs(self) -> VerifyCostTable:
-        """This replica's measured verify costs (``engine.sched.costs``), for the router's
+        """This replica's measured verify costs (``engine.sched.calibration``), for the router's
         adaptive speculation; measured once at start-up."""
         return await self.worker.verify_costs.remote()
 

@@ -1,6 +1,6 @@
 """The coordinator's transport over Ray: one call per replica per tick, made straight to
-the replica's worker actor (``workers.py``) -- a plain actor call, ~1.5 ms here, where a
-Serve handle call costs 5-8 ms. Serve handles are used to discover workers (a
+the replica's worker actor (``workers.py``) -- a plain actor call, a fraction of what a
+Serve handle call costs (docs/architecture.md). Serve handles are used to discover workers (a
 sequence's first proposer round, ``describe``), for calls a deployment's autoscaler must
 see, and never per round for the target. The KV manager is called by actor calls, and
 says which worker holds a target replica's pool. Items are small; anchors and draft
@@ -18,7 +18,7 @@ from ray.serve.handle import DeploymentHandle
 
 from engine.kv.block_ledger import AdmissionError, Grant
 from engine.sched.coordinator import TargetUnavailableError
-from engine.sched.costs import DraftCostTable, VerifyCostTable
+from engine.sched.cost_tables import DraftCostTable, VerifyCostTable
 from engine.sched.proposer_worker import ProposeItem, ProposeResult
 from engine.sched.target_worker import PrefillItem, TargetResult, VerifyItem
 

@@ -1,9 +1,9 @@
 """Worker actors: where a target or proposer replica's model really runs, called by the
 router once per tick with a plain Ray actor call.
 
-Why not the replica itself: a Serve ``DeploymentHandle`` call costs 5-8 ms here against
-~1.5 ms for a raw actor call (``../shared/docs/architecture.md``), and a round makes one
-per proposer and one per target, so Serve's request path cost more than the model work.
+Why not the replica itself: a Serve ``DeploymentHandle`` call costs several times what a
+raw actor call does (docs/architecture.md), and a round makes one per proposer and one
+per target, so Serve's request path would cost more than the model work.
 Serve keeps what it is good at -- the replica's lifecycle, health checks, autoscaling,
 the HTTP ingress -- and the replica is a thin shell that owns its worker, as Ray Serve
 LLM's engine replicas own their workers:
@@ -31,20 +31,18 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from engine.config import EngineConfig
 from engine.model.bundle import Bundle
 from engine.model.cached_decoder import CachedDecoder
-from engine.sched.costs import DraftCostTable, VerifyCostTable
+from engine.sched.cost_tables import DraftCostTable, VerifyCostTable
 from engine.sched.proposer_worker import ProposeItem, ProposeResult, ProposerWorker
 from engine.sched.target_worker import PrefillItem, TargetResult, TargetWorker, VerifyItem
-from engine.spec.proposers.registry import PROPOSER_KINDS
+from engine.speculative.proposers.registry import PROPOSER_KINDS
 
 from .metrics import ServeWorkerMetrics
 
 WORKER_BUNDLE = 1  # bundle 0 of a tick deployment's placement group is the replica shell's
 # Threads of the target's calls at batch 1 (its in-place twin, spinning within a run only)
 # unless the config sets ``in_place_threads``, capped by the node's cores. A batch-1 call is
-# a replica with one sequence, i.e. a light load: measured here (3 alternating server
-# restarts, one stream): target-only 260-282 against 241-288 tokens/s, EAGLE-3 210-212
-# against 185-211; at 16 streams, where calls batch and keep to the reservation, 739-767
-# against 710-732 and 629-662 against 611-639 (prefills run at batch 1).
+# a replica with one sequence, i.e. a light load, where cores beyond the reservation are
+# idle; at load, calls batch and keep to the reservation (docs/benchmarks/ measures both).
 LONE_SEQUENCE_THREADS = 2
 
 
@@ -85,9 +83,8 @@ def worker_config(engine_config: dict) -> EngineConfig:
     its onnxruntime threads do not spin on shared cores, and -- unless the config sets
     ``intra_op_threads`` -- it gets as many threads as the CPUs Ray reserved for it (at
     least one). onnxruntime's default, every physical core, with spinning off wakes its
-    pool for every op: a decode step measured 5.4 ms that way on this 2-core machine, 3.8
-    ms on one thread (3.0 ms spinning, which would starve the router), and the target's
-    compute took 5.8 of a distributed round's 9.8 ms. Calls at batch 1 (the twin's) get
+    pool for every op, which makes a decode step slower than one thread does (and
+    spinning would starve the router; docs/design-decisions.md). Calls at batch 1 (the twin's) get
     ``LONE_SEQUENCE_THREADS``, spinning within a run: a lone sequence leaves cores idle."""
     config = EngineConfig.model_validate(engine_config)
     update: dict = {"thread_spinning": config.spinning(owns_cores=False)}

@@ -2,13 +2,14 @@
 
 Pure Python + numpy + onnxruntime; nothing here may import Ray. Layout:
 
-- ``model/``  ONNX runner, providers, cached decoder, heads, tokenizer, chat template, bundle
-- ``kv/``     paged KV cache, block ledger, admission
-- ``spec/``   the reference loop (read ``spec/reference.py`` first), verification, sampling,
-              the commit path, stats, and the proposers with their registry
-- ``sched/``  the scheduler both transports share: coordinator, sequence driver, target
-              and proposer workers, local transport
-- ``api.py``  ``Engine``: the coordinator over the local transport
+- ``model/``        ONNX runner, providers, cached decoder, heads, tokenizer, chat template, bundle
+- ``kv/``           paged KV cache, block ledger, admission
+- ``speculative/``  the reference loop (read ``speculative/reference.py`` first), verification,
+                    sampling, the commit path, stats, and the proposers with their kinds and registry
+- ``sched/``        the scheduler both transports share: coordinator, sequence driver, target
+                    and proposer workers, local transport, and the draft-length planner with its
+                    calibration, cost tables and cost models
+- ``api.py``        ``Engine``: the coordinator over the local transport
 
 ``deployments/`` runs the same scheduler across Ray Serve processes.
 """
@@ -18,8 +19,8 @@ from engine.errors import EngineError, InvalidRequestError, ModelLoadError, Prom
 from engine.kv.paged_cache import KVCacheCapacityError, PagedKVCache
 from engine.model.cached_decoder import CachedDecoder
 from engine.options import GenerationOptions
-from engine.spec.sequence import TokenEvent
-from engine.spec.stats import SpeculativeStats
+from engine.speculative.sequence import TokenEvent
+from engine.speculative.stats import SpeculativeStats
 
 __all__ = ["CachedDecoder", "Engine", "EngineConfig", "EngineError", "GenerationOptions", "GenerationResult",
            "InvalidRequestError", "KVCacheCapacityError", "ModelLoadError", "PagedKVCache", "PromptTooLongError",

@@ -13,7 +13,7 @@ from engine.api import Engine
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.errors import EngineError
 from engine.options import SPECULATIVE_MODES, GenerationOptions
-from engine.spec.sequence import TokenEvent
+from engine.speculative.sequence import TokenEvent
 
 
 def build_parser() -> argparse.ArgumentParser:

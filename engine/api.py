@@ -35,11 +35,11 @@ from engine.sched.metrics import RoundMetrics
 from engine.sched.proposer_worker import ProposerWorker
 from engine.sched.sequence_driver import DriverFactory, SequenceDriver
 from engine.sched.target_worker import TargetWorker
-from engine.spec.proposers.base import Needs
-from engine.spec.proposers.registry import PROPOSER_KINDS, LoadedProposer, provided_modes
-from engine.spec.sampling import TokenLogprob
-from engine.spec.sequence import FinishReason, TokenCallback, TokenEvent
-from engine.spec.stats import SpeculativeStats
+from engine.speculative.proposers.base import Needs
+from engine.speculative.proposers.registry import PROPOSER_KINDS, LoadedProposer, provided_modes
+from engine.speculative.sampling import TokenLogprob
+from engine.speculative.sequence import FinishReason, TokenCallback, TokenEvent
+from engine.speculative.stats import SpeculativeStats
 
 
 @dataclass

@@ -12,11 +12,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.model.providers import Device
 from engine.options import MAX_SPECULATIVE_TOKENS, SpeculativeMode
 
-# What ``default_mode="auto"`` picks: the first loaded of these (measured fastest first on
-# the bundled models, README "Speculative decoding"); target-only if none is loaded.
+Device = Literal["auto", "cpu", "cuda"]  # where onnxruntime sessions run (``model.providers`` resolves "auto")
+
+# What ``default_mode="auto"`` picks: the first loaded of these (fastest first on the
+# bundled models, docs/benchmarks/); target-only if none is loaded.
 AUTO_MODE_PREFERENCE: tuple[str, ...] = ("eagle3", "mtp", "shared_kv", "draft_model")
 
 
@@ -62,8 +63,8 @@ class SchedulerConfig(BaseModel):
         "wastes at most this many - 1 passes"))
     replan_rounds: int = Field(4, ge=1, le=64, description=(
         "rounds an adaptive plan holds while its target call has the same sequences and draft maxima (each "
-        "re-plan that comes out the same holds twice as long, up to 4x this); 1 plans every round. A computed "
-        "plan costs ~90 us in-process, 1.5-2 % of a one-stream round when made every round"))
+        "re-plan that comes out the same holds twice as long, up to 4x this); 1 plans every round, a measurable "
+        "tax on one-stream rounds (docs/adaptive-speculation.md)"))
 
 
 class EngineConfig(BaseModel):
@@ -75,16 +76,17 @@ class EngineConfig(BaseModel):
     intra_op_threads: int | None = Field(None, ge=1, description="target's onnxruntime intra-op threads; None = its default")
     thread_spinning: bool | Literal["auto"] = Field("auto", description=(
         "let the target's onnxruntime threads spin-wait between runs. 'auto': on when the engine has the "
-        "process's cores to itself (the in-process Engine: measured 10-20 % faster), off in a Ray Serve replica, "
+        "process's cores to itself (the in-process Engine, where it is faster: docs/benchmarks/), off in a Ray "
+        "Serve replica, "
         "where spinning threads take the cores other replicas need"))
     proposer_threads: int = Field(1, ge=1, description=(
         "intra-op threads of draft/head sessions: 1 runs them on the calling thread, so they never fight "
         "the target's thread pool for cores (a round alternates between the two)"))
     int8_heads: bool = Field(True, description=(
         "on CPU, run a proposer head's int8 twin (model.int8.onnx beside its model.onnx, when present): its "
-        "weight products in int8, a quarter of the bytes to read each step (the shared-KV assistant measured "
-        "1.07x -> 1.38x target-only at one stream, EAGLE-3 1.35x -> 1.52x). Drafts change a little, output "
-        "never: the target verifies every draft. On CUDA the float graph runs"))
+        "weight products in int8, a quarter of the bytes to read each step (docs/models.md measures the "
+        "gain). Drafts change a little, output never: the target verifies every draft. On CUDA the float "
+        "graph runs"))
     kv_block_size: int = Field(16, ge=1)
     kv_num_blocks: int = Field(1024, ge=1, description="paged-KV pool size in blocks (per target replica)")
     sliding_window: int | None = Field(None, ge=2, description=(
@@ -94,7 +96,7 @@ class EngineConfig(BaseModel):
     in_place_kv: bool = Field(True, description=(
         "run calls at batch 1 on a model's in-place twin (model.inplace.onnx beside model.onnx, when present): "
         "one preallocated KV buffer per sequence that the session writes in place, so no call copies the past "
-        "(measured 0.88x the time per call here); batched calls always run the standard graph"))
+        "(docs/benchmarks/ measures the saving); batched calls always run the standard graph"))
     in_place_threads: int | None = Field(None, ge=1, description=(
         "onnxruntime threads of the target's in-place twin, which serves its calls at batch 1; None = "
         "intra_op_threads. More than one makes them spin within a run (never after it) even where the target's "

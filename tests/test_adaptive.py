@@ -13,11 +13,14 @@ import numpy as np
 import pytest
 
 from engine import Engine, GenerationOptions
-from engine.sched.costs import (MIN_KIND_CALLS, DraftCostModel, DraftCostTable, VerifyCostModel, VerifyCostTable,
-                                 verify_groups)
-from engine.sched.draft_length import (CATCH_UP_STEPS, ENGAGE_MARGIN, EXPLORE_BATCH, AcceptanceTracker,
-                                      DraftLengthController, DraftRequest, explore_wait)
-from engine.spec.proposers.registry import RESTARTING_MODES
+from engine.sched.cost_models import MIN_KIND_CALLS, DraftCostModel, VerifyCostModel
+from engine.sched.cost_tables import DraftCostTable, VerifyCostTable
+from engine.sched.verify_split import verify_groups
+from engine.sched.acceptance import AcceptanceTracker
+from engine.sched.call_pricing import CATCH_UP_STEPS
+from engine.sched.draft_length import (ENGAGE_MARGIN, EXPLORE_BATCH, DraftLengthPlanner, DraftRequest, RoundPlan,
+                                      explore_wait)
+from engine.speculative.proposers.registry import HEAD_MODES
 
 from .conftest import CPU_CONFIG, MODELS, generate_concurrently
 
@@ -35,9 +38,9 @@ DRAFT_MODEL = DraftCostTable({(1, 1): 0.0003, (1, 4): 0.0012, (4, 1): 0.0012, (4
 
 
 def controller(acceptance: dict[str, float], heads=HEAD, draft=DRAFT_MODEL,
-               table: VerifyCostTable = CPU_LIKE) -> DraftLengthController:
+               table: VerifyCostTable = CPU_LIKE) -> DraftLengthPlanner:
     """A controller whose modes have already seen many rounds at the given acceptance."""
-    costs = DraftCostModel(RESTARTING_MODES)
+    costs = DraftCostModel(HEAD_MODES)
     for mode in ("mtp", "eagle3", "shared_kv"):
         costs.add(mode, heads)
     costs.add("draft_model", draft)
@@ -50,27 +53,27 @@ def controller(acceptance: dict[str, float], heads=HEAD, draft=DRAFT_MODEL,
                 accepted += 1
             tracker.record(("history", mode, n), mode, 4, accepted)
             tracker.forget(("history", mode, n))
-    return DraftLengthController(VerifyCostModel(table), costs, tracker)
+    return DraftLengthPlanner(VerifyCostModel(table), costs, tracker)
 
 
-def requests(mode: str, n: int, k_max: int = 4, adaptive: bool = True) -> list[DraftRequest]:
-    return [DraftRequest(("seq", mode, i), mode, k_max, adaptive) for i in range(n)]
+def requests(mode: str, n: int, max_num_drafts: int = 4, adaptive: bool = True) -> list[DraftRequest]:
+    return [DraftRequest(("seq", mode, i), mode, max_num_drafts, adaptive) for i in range(n)]
 
 
 def test_one_stream_with_a_good_head_drafts_the_maximum():
-    assert controller({"eagle3": 0.75}).plan(requests("eagle3", 1)) == [4]
+    assert controller({"eagle3": 0.75}).plan(requests("eagle3", 1)).num_drafts == [4]
 
 
 def test_under_load_a_weak_proposer_stops_drafting_and_a_strong_head_keeps_drafting():
     loaded = controller({"prompt_lookup": 0.1, "eagle3": 0.75})
-    assert loaded.plan(requests("prompt_lookup", 32)) == [0] * 32  # rows cost more than they earn: plain rounds
-    assert min(loaded.plan(requests("eagle3", 32))) >= 3              # its drafts still pay for their rows
+    assert loaded.plan(requests("prompt_lookup", 32)).num_drafts == [0] * 32  # rows cost more than they earn
+    assert min(loaded.plan(requests("eagle3", 32)).num_drafts) >= 3           # its drafts still pay for their rows
     # ... and the same weak proposer drafts again once the load is gone
-    assert loaded.plan(requests("prompt_lookup", 1))[0] >= 1
+    assert loaded.plan(requests("prompt_lookup", 1)).num_drafts[0] >= 1
 
 
 def test_speculation_shrinks_as_the_batch_grows():
-    plans = {n: controller({"draft_model": 0.5}).plan(requests("draft_model", n)) for n in (1, 4, 16, 32)}
+    plans = {n: controller({"draft_model": 0.5}).plan(requests("draft_model", n)).num_drafts for n in (1, 4, 16, 32)}
     means = [sum(plan) / len(plan) for plan in plans.values()]
     assert means == sorted(means, reverse=True) and means[0] > means[-1]
 
@@ -78,7 +81,7 @@ def test_speculation_shrinks_as_the_batch_grows():
 def test_a_pinned_request_keeps_its_k_and_a_plan_never_exceeds_k_max():
     plan = controller({"prompt_lookup": 0.1}).plan(
         requests("prompt_lookup", 30) + [DraftRequest("pinned", "prompt_lookup", 4, adaptive=False),
-                                         DraftRequest("short", "prompt_lookup", 1, adaptive=True)])
+                                         DraftRequest("short", "prompt_lookup", 1, adaptive=True)]).num_drafts
     assert plan[-2] == 4 and all(0 <= k <= 4 for k in plan) and plan[-1] <= 1
 
 
@@ -89,8 +92,8 @@ def test_the_verify_pass_is_costed_padded_to_the_longest_sequence():
     2 sequences' 8 rows would look cheap and be verified.)"""
     loaded = controller({"prompt_lookup": 0.84})
     found = lambda n: [DraftRequest(i, "prompt_lookup", 4 if i < n else 0, True) for i in range(32)]
-    assert loaded.plan(found(2)) == [0] * 32
-    assert loaded.plan(found(24))[:24] == [4] * 24
+    assert loaded.plan(found(2)).num_drafts == [0] * 32
+    assert loaded.plan(found(24)).num_drafts[:24] == [4] * 24
 
 
 def test_a_plan_does_not_buy_some_requests_speed_with_the_others_time():
@@ -101,8 +104,8 @@ def test_a_plan_does_not_buy_some_requests_speed_with_the_others_time():
     batch's requests, and stays plain. When all 16 found drafts, everyone gains."""
     loaded = controller({"prompt_lookup": 0.84}, table=LAYOUT_TABLE)
     found = lambda n: [DraftRequest(i, "prompt_lookup", 4 if i < n else 0, True) for i in range(16)]
-    assert loaded.plan(found(10)) == [0] * 16
-    assert loaded.plan(found(16)) == [4] * 16
+    assert loaded.plan(found(10)).num_drafts == [0] * 16
+    assert loaded.plan(found(16)).num_drafts == [4] * 16
 
 
 def test_the_target_runs_a_few_drafting_sequences_apart_when_that_is_much_cheaper():
@@ -136,7 +139,7 @@ def test_a_mode_that_stopped_drafting_tries_again_now_and_then_less_often_in_a_l
     for batch in (EXPLORE_BATCH, 32):
         loaded = controller({"prompt_lookup": 0.1})
         wait = int(explore_wait(batch))
-        plans = [loaded.plan(requests("prompt_lookup", batch)) for _ in range(wait)]
+        plans = [loaded.plan(requests("prompt_lookup", batch)).num_drafts for _ in range(wait)]
         assert all(sum(plan) == 0 for plan in plans[:-1]), batch
         assert sum(plans[-1]) == 1  # one draft for one sequence refreshes the estimate
 
@@ -150,27 +153,27 @@ def test_a_call_keeps_its_plan_for_a_few_rounds_and_plans_afresh_when_it_changes
     held = controller({"eagle3": 0.75})
     held.replan_rounds = 4
     call = requests("eagle3", 2)
-    assert held.plan(call) == [4, 4] and held.plans == 1
+    assert held.plan(call).num_drafts == [4, 4] and held.plans == 1
     for seq in range(200):
         held.acceptance.record(("collapsed", seq), "eagle3", 4, 0)
         held.acceptance.record(call[0].seq_id, "eagle3", 4, 0)
         held.acceptance.record(call[1].seq_id, "eagle3", 4, 0)
-    assert [held.plan(call) for _ in range(3)] == [[4, 4]] * 3 and held.plans == 1  # held
-    assert held.plan(call) != [4, 4] and held.plans == 2                            # re-planned
+    assert [held.plan(call).num_drafts for _ in range(3)] == [[4, 4]] * 3 and held.plans == 1  # held
+    assert held.plan(call).num_drafts != [4, 4] and held.plans == 2                       # re-planned
     shorter = [DraftRequest(call[0].seq_id, "eagle3", 2, True), call[1]]
     fresh = controller({"eagle3": 0.75})
     fresh.replan_rounds = 4
     # A plan that drafts every maximum carries over to smaller maxima; one that does not
     # (the collapsed head's) plans afresh, as does a call that grows.
-    assert fresh.plan(call) == [4, 4] and fresh.plan(shorter) == [2, 4] and fresh.plans == 1
-    assert held.plan(shorter) == held.plan(shorter) and held.plans == 3
-    assert fresh.plan(call + requests("mtp", 1)) and fresh.plans == 2
+    assert fresh.plan(call).num_drafts == [4, 4] and fresh.plan(shorter).num_drafts == [2, 4] and fresh.plans == 1
+    assert held.plan(shorter).num_drafts == held.plan(shorter).num_drafts and held.plans == 3
+    assert fresh.plan(call + requests("mtp", 1)).num_drafts and fresh.plans == 2
     # A call of several plain rounds counts as that many: it plans again at the next call.
     plain = controller({"prompt_lookup": 0.1}, table=LAYOUT_TABLE)
     plain.plain_steps, plain.replan_rounds = 8, 4
-    plain.verify_costs.several[1] = ((0.01, 0.001), 100)  # 8 plain rounds a call: far cheaper here
+    plain.verify_costs.multi_step_calls[1] = ((0.01, 0.001), 100)  # 8 plain rounds a call: far cheaper here
     lookup = [DraftRequest("s", "prompt_lookup", 4, True)]
-    assert plain.plan(lookup) == [0] and plain.last_steps == 8 and plain.plans == 1
+    assert plain.plan(lookup) == RoundPlan([0], 8) and plain.plans == 1
     plain.plan(lookup)
     assert plain.plans == 2
 
@@ -185,21 +188,21 @@ def test_a_plan_that_keeps_coming_out_the_same_holds_longer_and_nothing_to_decid
     call = requests("eagle3", 1)
     computed = []
     for _ in range(4 + 8 + 16 + 16 + 16):
-        assert steady.plan(call) == [4]
+        assert steady.plan(call).num_drafts == [4]
         computed.append(steady.plans)
     assert computed.index(2) == 4 and computed.index(3) == 12 and computed.index(4) == 28  # 4, 8, 16 rounds
     assert computed.index(5) == 44 and steady.plans == 5                                   # ... then 16 again
     for _ in range(300):  # the head collapses: the next re-plan differs, and the hold starts over at 4
         steady.acceptance.record(call[0].seq_id, "eagle3", 4, 0)
         steady.acceptance.record(("other", _), "eagle3", 4, 0)
-    assert steady.plan(call) == [0] and steady.plans == 6  # due after 16 rounds: re-planned, and it differs
+    assert steady.plan(call).num_drafts == [0] and steady.plans == 6  # due after 16 rounds: re-planned, it differs
     for _ in range(3):
         steady.plan(call)
     assert steady.plans == 6
     steady.plan(call)
     assert steady.plans == 7  # ... so the next re-plan came after 4 rounds, not 16
     nothing = [DraftRequest(i, "prompt_lookup", 0, True) for i in range(3)]
-    assert steady.plan(nothing) == [0, 0, 0] and steady.last_steps == 1 and steady.plans == 7
+    assert steady.plan(nothing) == RoundPlan([0, 0, 0], 1) and steady.plans == 7
     ending = [DraftRequest("e", "prompt_lookup", 0, True, ending=True)]
     steady.plan(ending)
     assert steady.plans == 8  # a request on its last token is weighed (several plain rounds may pay it)
@@ -211,7 +214,7 @@ def test_exploring_counts_rounds_whether_or_not_the_plan_is_held():
         loaded = controller({"prompt_lookup": 0.1})
         loaded.replan_rounds = replan_rounds
         wait = int(explore_wait(EXPLORE_BATCH))
-        plans = [loaded.plan(requests("prompt_lookup", EXPLORE_BATCH)) for _ in range(wait)]
+        plans = [loaded.plan(requests("prompt_lookup", EXPLORE_BATCH)).num_drafts for _ in range(wait)]
         assert all(sum(plan) == 0 for plan in plans[:-1]) and sum(plans[-1]) == 1, replan_rounds
     assert loaded.plans < wait
 
@@ -221,8 +224,8 @@ def test_a_draft_model_that_sat_out_rounds_pays_for_its_catch_up():
     it missed, in one pass: about a tenth of a step per token, spread over the rounds the
     request has left. A catch-up that large per round outweighs what drafting gains."""
     loaded = controller({"draft_model": 0.7})
-    assert loaded.plan([DraftRequest("s", "draft_model", 4, True, catch_up=10)]) == [4]
-    assert loaded.plan([DraftRequest("s", "draft_model", 4, True, catch_up=200)]) == [0]
+    assert loaded.plan([DraftRequest("s", "draft_model", 4, True, catch_up=10)]).num_drafts == [4]
+    assert loaded.plan([DraftRequest("s", "draft_model", 4, True, catch_up=200)]).num_drafts == [0]
 
 
 def test_a_draft_models_catch_up_is_priced_by_the_calls_that_carried_catch_ups():
@@ -235,7 +238,7 @@ def test_a_draft_models_catch_up_is_priced_by_the_calls_that_carried_catch_ups()
     prior = costs.catch_up_token("draft_model", CATCH_UP_STEPS)
     assert prior == pytest.approx(CATCH_UP_STEPS * costs.marginal_step("draft_model"))
     request = [DraftRequest("s", "draft_model", 4, True, catch_up=30)]
-    assert loaded.plan(request) == [4]
+    assert loaded.plan(request).num_drafts == [4]
     own = costs.predict("draft_model", 4, 4, 16)
     for _ in range(3):  # four prompts of 85 tokens at first contact, each priced 6x the prior
         costs.observe_catch_up("draft_model", 4, 4, 16, 4 * 85, own + 4 * 85 * 6 * prior)
@@ -244,7 +247,7 @@ def test_a_draft_models_catch_up_is_priced_by_the_calls_that_carried_catch_ups()
     costs.observe_catch_up("draft_model", 4, 4, 16, 3, 0.5 * own)
     assert costs.catch_up_token("draft_model", CATCH_UP_STEPS) == pytest.approx(6 * prior, rel=0.02)
     loaded._held.clear()
-    assert loaded.plan(request) == [0]
+    assert loaded.plan(request).num_drafts == [0]
 
 
 def test_a_draft_model_engages_a_new_sequence_only_with_a_margin():
@@ -257,13 +260,14 @@ def test_a_draft_model_engages_a_new_sequence_only_with_a_margin():
     ``cold``."""
     loaded = controller({"draft_model": 0.5, "eagle3": 0.5})
     _, _, drafting = loaded._best_of(requests("draft_model", 16))
-    _, _, plain = loaded._best_of(requests("draft_model", 16, k_max=0, adaptive=False))
+    _, _, plain = loaded._best_of(requests("draft_model", 16, max_num_drafts=0, adaptive=False))
     assert 1.0 < drafting / plain < 1 + ENGAGE_MARGIN
     warm, cold = requests("draft_model", 16), [replace(r, cold=True) for r in requests("draft_model", 16)]
-    assert sum(loaded.plan(warm)) >= 16 and loaded.plan(cold) == [0] * 16
-    assert loaded.plan([replace(cold[0], seq_id="alone")]) == [3]
+    assert sum(loaded.plan(warm).num_drafts) >= 16 and loaded.plan(cold).num_drafts == [0] * 16
+    assert loaded.plan([replace(cold[0], seq_id="alone")]).num_drafts == [3]
     heads = requests("eagle3", 16)
-    assert loaded.plan([replace(r, cold=True) for r in heads]) == loaded.plan(heads) != [0] * 16
+    assert (loaded.plan([replace(r, cold=True) for r in heads]).num_drafts == loaded.plan(heads).num_drafts
+            != [0] * 16)
 
 
 def test_a_draft_model_explored_from_no_drafts_drafts_a_second_round_to_be_measured():
@@ -276,12 +280,12 @@ def test_a_draft_model_explored_from_no_drafts_drafts_a_second_round_to_be_measu
     alone = int(explore_wait(1))
     dear = DraftCostTable({(1, 1): 0.05, (1, 4): 0.2, (4, 1): 0.2, (4, 4): 0.8})  # 50 ms a step: never pays
     loaded = controller({"draft_model": 0.7}, draft=dear)
-    plans = [loaded.plan([DraftRequest("s", "draft_model", 4, True)]) for _ in range(alone + 2)]
+    plans = [loaded.plan([DraftRequest("s", "draft_model", 4, True)]).num_drafts for _ in range(alone + 2)]
     assert all(plan == [0] for plan in plans[:alone - 1]), plans
     assert plans[alone - 1] == [1] and plans[alone] == [1]  # catch-up, then a measured round
     assert plans[alone + 1] == [0]
     heads = controller({"eagle3": 0.7}, heads=DraftCostTable({(1, 1): 0.05, (1, 4): 0.2, (8, 1): 0.4, (8, 4): 1.6}))
-    plans = [heads.plan([DraftRequest("s", "eagle3", 4, True)]) for _ in range(alone + 1)]
+    plans = [heads.plan([DraftRequest("s", "eagle3", 4, True)]).num_drafts for _ in range(alone + 1)]
     assert plans[alone - 1] == [1] and plans[alone] == [0]  # a head has no catch-up
 
 
@@ -293,10 +297,10 @@ def test_a_mode_that_stopped_short_of_its_maximum_tries_one_position_deeper_now_
     tracker = AcceptanceTracker()
     tracker.record("s", "draft_model", 2, 1)  # position 1 accepted, position 2 rejected: once
     slow_steps = DraftCostTable({(1, 1): 0.0003, (1, 4): 0.0060, (4, 1): 0.0012, (4, 4): 0.0240})
-    costs = DraftCostModel(RESTARTING_MODES)
+    costs = DraftCostModel(HEAD_MODES)
     costs.add("draft_model", slow_steps)
-    loaded = DraftLengthController(VerifyCostModel(CPU_LIKE), costs, tracker)
-    plans = [loaded.plan([DraftRequest("s", "draft_model", 4, True)]) for _ in range(alone)]
+    loaded = DraftLengthPlanner(VerifyCostModel(CPU_LIKE), costs, tracker)
+    plans = [loaded.plan([DraftRequest("s", "draft_model", 4, True)]).num_drafts for _ in range(alone)]
     assert all(plan == [1] for plan in plans[:-1]), plans
     assert plans[-1] == [2]
 
@@ -357,7 +361,7 @@ def test_one_slow_first_proposer_call_does_not_price_drafting_out():
     calls that would correct it: a first call 4 ms slow (a new shape's allocation
     planning) learnt whole once kept one-stream drafting off for whole requests. It is
     learnt from the table up; an overhead every call pays is still learnt."""
-    costs = DraftCostModel(RESTARTING_MODES)
+    costs = DraftCostModel(HEAD_MODES)
     costs.add("eagle3", HEAD)
     ordinary = costs.predict("eagle3", 1, 4, 4)
     costs.observe("eagle3", 1, 4, 4, ordinary + 0.004)
@@ -387,10 +391,10 @@ def test_adaptive_rounds_give_the_target_only_tokens(mode, adaptive_engine, held
     assert [r.token_ids for r in results] == reference
     solo = adaptive_engine.generate(*jobs[0])
     assert solo.token_ids == reference[0]
-    costs = adaptive_engine.coordinator.draft_lengths.verify_costs  # the rounds taught the cost model
-    assert (costs.calls or costs.several) and costs.overheads
+    costs = adaptive_engine.coordinator.planner.verify_costs  # the rounds taught the cost model
+    assert (costs.calls or costs.multi_step_calls) and costs.overheads
     if mode == "draft_model":  # ... and its first contacts (the prompts' prefills) priced its catch-up
-        assert adaptive_engine.coordinator.draft_lengths.draft_costs.catch_ups["draft_model"][1] >= 1
+        assert adaptive_engine.coordinator.planner.draft_costs.catch_ups["draft_model"][1] >= 1
     assert adaptive_engine.drain() and adaptive_engine.target.cache.used_blocks == 0
 
 
@@ -427,12 +431,12 @@ def test_a_catch_up_after_rounds_without_drafts_is_not_charged_as_drafting(adapt
     """After rounds at k = 0 a draft model's next call first feeds it every token those
     rounds committed. Charged as the cost of drafting, that once kept draft_model at k = 0
     at one stream for a whole request: no drafts, so no cheaper call ever corrected it."""
-    real_plan = DraftLengthController.plan
+    real_plan = DraftLengthPlanner.plan
     plans = []
 
     def plan(self, requests):  # three real plans, ten plain rounds, then real plans again
         plans.append(1)
-        return [0] * len(requests) if 3 < len(plans) <= 13 else real_plan(self, requests)
+        return RoundPlan([0] * len(requests)) if 3 < len(plans) <= 13 else real_plan(self, requests)
 
     calls, observed = [], []
     real_propose = adaptive_engine.transport.propose
@@ -442,7 +446,7 @@ def test_a_catch_up_after_rounds_without_drafts_is_not_charged_as_drafting(adapt
         return await real_propose(mode, replica, items, releases)
 
     real_observe, real_catch_up, caught = DraftCostModel.observe, DraftCostModel.observe_catch_up, []
-    monkeypatch.setattr(DraftLengthController, "plan", plan)
+    monkeypatch.setattr(DraftLengthPlanner, "plan", plan)
     monkeypatch.setattr(adaptive_engine.transport, "propose", propose)
     monkeypatch.setattr(DraftCostModel, "observe",
                         lambda self, *args: observed.append(args) or real_observe(self, *args))
@@ -525,7 +529,7 @@ def test_where_calls_cost_a_hop_plain_rounds_run_several_to_a_call_instead_of_dr
     weigh (a prompt lookup that found none) gets one round: it may find some the next."""
     in_process = controller({"eagle3": 0.6}, table=LAYOUT_TABLE)
     in_process.plain_steps = 8
-    assert in_process.plan(requests("eagle3", 1)) == [4] and in_process.last_steps == 1
+    assert in_process.plan(requests("eagle3", 1)) == RoundPlan([4], 1)
     served = controller({"eagle3": 0.6}, table=LAYOUT_TABLE)
     served.plain_steps = 8
     hop = 0.003
@@ -533,32 +537,32 @@ def test_where_calls_cost_a_hop_plain_rounds_run_several_to_a_call_instead_of_dr
         served.verify_costs.observe([1], LAYOUT_TABLE.predict(1, 1) + hop)
         served.verify_costs.observe([5], LAYOUT_TABLE.predict(1, 5) + hop)
         served.draft_costs.observe("eagle3", 1, 4, 4, HEAD.seconds[(1, 4)] + hop)
-    assert served.plan(requests("eagle3", 1)) == [0] and served.last_steps == 8
+    assert served.plan(requests("eagle3", 1)) == RoundPlan([0], 8)
     served.plain_steps = 1
-    assert served.plan(requests("eagle3", 1)) == [4] and served.last_steps == 1
+    assert served.plan(requests("eagle3", 1)) == RoundPlan([4], 1)
     # A prompt lookup that found nothing this round may find drafts the next: one round.
     served.plain_steps = 8
-    assert served.plan([DraftRequest("s", "prompt_lookup", 0, True)]) == [0] and served.last_steps == 1
+    assert served.plan([DraftRequest("s", "prompt_lookup", 0, True)]) == RoundPlan([0], 1)
     # Where nothing tells one plain round a call from several apart (nothing learnt: both
     # priced from the table), a plan without drafts runs several, as target-only does.
     fresh = controller({"prompt_lookup": 0.1})
     fresh.plain_steps = 8
-    assert fresh.plan(requests("prompt_lookup", 32)) == [0] * 32 and fresh.last_steps == 8
+    assert fresh.plan(requests("prompt_lookup", 32)) == RoundPlan([0] * 32, 8)
     # A request on its last token has no room for drafts, not a lack of them: it does not
     # hold the rest of its call to one plain round.
     ending = [DraftRequest("end", "eagle3", 0, True, ending=True), DraftRequest("on", "eagle3", 4, True)]
     for _ in range(20):
         served.verify_costs.observe([1, 1], LAYOUT_TABLE.predict(2, 2) + hop)
         served.verify_costs.observe([5, 5], LAYOUT_TABLE.predict(2, 10) + hop)
-    assert served.plan(ending) == [0, 0] and served.last_steps == 8
-    assert served.plan([DraftRequest("end", "eagle3", 0, True), ending[1]]) == [0, 0] and served.last_steps == 1
+    assert served.plan(ending) == RoundPlan([0, 0], 8)
+    assert served.plan([DraftRequest("end", "eagle3", 0, True), ending[1]]) == RoundPlan([0, 0], 1)
 
 
 def test_several_plain_rounds_priced_from_their_prior_need_a_wider_margin():
     """Until calls of several plain rounds have been seen at a batch size, their price is a
     prior (the first round's call, the others at the table's figure), optimistic at a large
-    batch; so a drafting plan beats them there unless they are predicted SEVERAL_PRIOR_MARGIN
-    faster, not just SEVERAL_ROUNDS_MARGIN. Once such calls are seen at that same price,
+    batch; so a drafting plan beats them there unless they are predicted MULTI_STEP_PRIOR_MARGIN
+    faster, not just MULTI_STEP_MARGIN. Once such calls are seen at that same price,
     the narrower margin applies and they win."""
     plans = controller({"shared_kv": 0.7}, table=LAYOUT_TABLE)
     plans.plain_steps = 8
@@ -567,13 +571,13 @@ def test_several_plain_rounds_priced_from_their_prior_need_a_wider_margin():
         plans.verify_costs.observe([1] * 32, LAYOUT_TABLE.predict(32, 32) + hop)
         plans.verify_costs.observe([5] * 32, LAYOUT_TABLE.predict(32, 160) + hop)
     batch = requests("shared_kv", 32)
-    assert not plans.verify_costs.several_known(32)
-    assert plans.plan(batch) == [2] * 32 and plans.last_steps == 1
+    assert not plans.verify_costs.knows_multi_step(32)
+    assert plans.plan(batch) == RoundPlan([2] * 32, 1)
     prior = plans.verify_costs.plain_rounds(32, 8) - 8 * plans.verify_costs.overhead(32)
     for _ in range(3):  # seen: exactly what the prior said
         plans.verify_costs.observe([1] * 32, prior, 8)
-    assert plans.verify_costs.several_known(32)
-    assert plans.plan(batch) == [0] * 32 and plans.last_steps == 8
+    assert plans.verify_costs.knows_multi_step(32)
+    assert plans.plan(batch) == RoundPlan([0] * 32, 8)
 
 
 @pytest.mark.parametrize("mode", ["eagle3", "shared_kv"])
@@ -586,17 +590,16 @@ def test_a_head_drafts_from_the_last_of_several_plain_rounds(mode, adaptive_engi
     expected = [adaptive_engine.generate(p, options.model_copy(update={"speculative_mode": "none"})).token_ids
                 for p in heldout_prompts[:3]]
     usual = [adaptive_engine.generate(p, options) for p in heldout_prompts[:3]]
-    real_plan = DraftLengthController.plan
+    real_plan = DraftLengthPlanner.plan
     plans = []
 
     def plan(self, requests):  # every other plan: no drafts, four plain rounds in the call
         plans.append(len(requests))
         if len(plans) % 2:
-            self.last_steps = 4
-            return [0] * len(requests)
+            return RoundPlan([0] * len(requests), 4)
         return real_plan(self, requests)
 
-    monkeypatch.setattr(DraftLengthController, "plan", plan)
+    monkeypatch.setattr(DraftLengthPlanner, "plan", plan)
     mixed = [adaptive_engine.generate(p, options) for p in heldout_prompts[:3]]
     assert [r.token_ids for r in mixed] == expected
     assert sum(r.speculative.verification_steps for r in mixed) > 4 * sum(1 for r in mixed)  # plans really ran

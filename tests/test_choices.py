@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from deployments.router import admit_all
+from deployments.choices import admit_all
 from engine import Engine, EngineConfig, GenerationOptions, SpeculativeConfig
 from engine.config import SchedulerConfig
 from engine.kv.block_ledger import AdmissionError, BlockLedger

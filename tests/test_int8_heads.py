@@ -9,7 +9,7 @@ import pytest
 
 from engine import Engine, GenerationOptions, SpeculativeConfig
 from engine.model.heads import INT8_FILE, load_head
-from engine.spec.stats import SpeculativeStats
+from engine.speculative.stats import SpeculativeStats
 
 from .conftest import CPU_CONFIG, MODELS
 

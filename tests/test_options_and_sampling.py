@@ -6,7 +6,8 @@ import pytest
 from pydantic import ValidationError
 
 from engine import EngineConfig, GenerationOptions
-from engine.spec.sampling import SequenceRules, apply_repetition_penalty, processed_logits, sample, token_distribution
+from engine.speculative.sampling import (SequenceRules, apply_repetition_penalty, processed_logits, sample,
+                                         token_distribution)
 
 
 @pytest.mark.parametrize("fields, named", [

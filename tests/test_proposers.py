@@ -1,4 +1,5 @@
-"""Ports of the seed's proposer unit tests, run against the bundled heads and real caches."""
+"""Ports of the proposer unit tests of the Rust engine specserve reimplements (their
+names in the section comments), run against the bundled heads and real caches."""
 from __future__ import annotations
 
 import logging
@@ -11,13 +12,13 @@ from engine.model.heads import MATMUL_GRAPH, LinearLmHead, load_head
 from engine.kv.paged_cache import LayerGeometry, PagedKVCache
 from engine.sched.metrics import RoundMetrics
 from engine.sched.proposer_worker import ProposeItem, ProposerWorker
-from engine.spec.proposers.base import Proposal, ProposerContext, StatelessProposer
-from engine.spec.proposers.eagle3 import Eagle3Proposer
-from engine.spec.proposers.mtp import MtpProposer
-from engine.spec.proposers.prompt_lookup import PromptLookupProposer
-from engine.spec.proposers.registry import LoadedProposer
-from engine.spec.proposers.shared_kv import SharedKvProposer, shared_kv_slices
-from engine.spec.reference import speculative_decode
+from engine.speculative.proposers.base import Proposal, ProposerContext, StatelessProposer
+from engine.speculative.proposers.eagle3 import Eagle3Proposer
+from engine.speculative.proposers.mtp import MtpProposer
+from engine.speculative.proposers.prompt_lookup import PromptLookupProposer
+from engine.speculative.proposers.registry import LoadedProposer
+from engine.speculative.proposers.shared_kv import SharedKvProposer, shared_kv_slices
+from engine.speculative.reference import speculative_decode
 
 from .conftest import MODELS
 
@@ -25,10 +26,10 @@ OPTIONS = GenerationOptions()
 
 
 def context(tokens, width, **extra) -> ProposerContext:
-    return ProposerContext(width=width, context_tokens=tokens, options=OPTIONS, **extra)
+    return ProposerContext(num_drafts=width - 1, context_tokens=tokens, options=OPTIONS, **extra)
 
 
-# -- prompt lookup (seed: ngram_proposer_*) -------------------------------------------------
+# -- prompt lookup (Rust: ngram_proposer_*) -------------------------------------------------
 def test_ngram_copies_most_recent_matching_continuation():
     assert PromptLookupProposer(2, 4).lookup([7, 8, 9, 4, 7, 8], 3) == [9, 4, 7]
     # Through the protocol, width counts the bonus token too: width 4 = 3 drafts.
@@ -55,7 +56,7 @@ def test_ngram_respects_request_and_config_widths():
     assert PromptLookupProposer(2, 8).lookup([1, 2, 3, 4, 1, 2], 1) == [3]
 
 
-# -- shared-KV slices (seed: shared_kv_slices_pick_per_layer_geometry) ----------------------
+# -- shared-KV slices (Rust: shared_kv_slices_pick_per_layer_geometry) ----------------------
 def test_the_lm_head_graph_is_the_one_node_matmul_onnx_writes_and_computes_the_product():
     """MTP's hidden state goes through the target's LM head in a one-node onnxruntime
     graph kept as bytes (onnx is not a runtime dependency): they must be what onnx.helper
@@ -178,7 +179,7 @@ def test_a_batched_draft_model_gives_each_sequence_its_solo_drafts_in_one_run_pe
     the sequences still drafting. Greedy drafts are each sequence's solo ones; sampled
     drafts and their q are too, the request's generator drawing in the same order."""
     from engine.model.cached_decoder import CachedDecoder
-    from engine.spec.proposers.draft_model import DraftModelProposer
+    from engine.speculative.proposers.draft_model import DraftModelProposer
 
     draft = CachedDecoder(MODELS / "draft", bundle_engine.target.config)
     prompts = [bundle_engine.target.encode_prompt(heldout_prompts[i]) for i in (3, 4, 5)]
@@ -190,7 +191,7 @@ def test_a_batched_draft_model_gives_each_sequence_its_solo_drafts_in_one_run_pe
         batched = [DraftModelProposer(draft) for _ in prompts]
         try:
             def contexts(extra):
-                return [ProposerContext(w, p + extra, options, rng=np.random.default_rng(i))
+                return [ProposerContext(w - 1, p + extra, options, rng=np.random.default_rng(i))
                         for i, (w, p) in enumerate(zip(widths, prompts))]
             for extra in ([], [7, 9]):  # first contact, then a round's two new tokens
                 alone = [s.propose(c) for s, c in zip(solo, contexts(extra))]
@@ -231,7 +232,7 @@ def test_draft_alignment_runs_in_calls_of_similar_lengths():
     """Every fed row costs the draft's LM head and a call pads to its longest feed: one
     sequence catching up 32 tokens is aligned apart from fifteen aligning 2 (10.7 ms
     together against 4.2 ms apart, measured), while feeds of one size share one call."""
-    from engine.spec.proposers.draft_model import ALIGN_CALL_ROWS, align_groups
+    from engine.speculative.proposers.draft_model import ALIGN_CALL_ROWS, align_groups
 
     short = {i: 2 for i in range(15)}
     assert align_groups(short) == [list(range(15))]
@@ -270,7 +271,7 @@ def test_heads_reject_a_target_of_another_width(bundle_engine):
         load_head("mtp", MODELS / "heads/mtp", bundle_engine.target.decoder.vocab_size, 999, "cpu")
 
 
-# -- the protocol supports non-model sources (seed: speculative_proposer_trait_*) -----------
+# -- the protocol supports non-model sources (Rust: speculative_proposer_trait_*) -----------
 class StubProposer(StatelessProposer):
     """Proposes fixed tokens; records what the round loop tells it."""
 
@@ -304,7 +305,7 @@ def test_round_loop_drives_any_proposer_and_reports_acceptance(bundle_engine, he
 def test_a_full_draft_pool_means_no_drafts_not_a_failed_request(bundle_engine, heldout_prompts):
     from engine.config import EngineConfig
     from engine.model.cached_decoder import CachedDecoder
-    from engine.spec.proposers.draft_model import DraftModelProposer
+    from engine.speculative.proposers.draft_model import DraftModelProposer
 
     tiny_draft = CachedDecoder(MODELS / "draft", EngineConfig(device="cpu", kv_num_blocks=2, kv_block_size=16))
     target = bundle_engine.target
@@ -337,7 +338,7 @@ class BatchDrafter(StatelessProposer):
     def propose(self, ctx):
         if ctx.context_tokens[-1] == POISON:
             raise RuntimeError("cannot draft after the poison token")
-        return Proposal([ctx.context_tokens[-1] + 1] * ctx.max_drafts)
+        return Proposal([ctx.context_tokens[-1] + 1] * ctx.num_drafts)
 
     def propose_batch(self, contexts, owners=None):
         self.batches.append(len(contexts))
@@ -348,7 +349,7 @@ def test_a_failing_batched_proposal_is_retried_one_by_one_logged_and_counted(cap
     metrics = RoundMetrics()
     BatchDrafter.batches = []
     worker = ProposerWorker(LoadedProposer("batch_drafter", BatchDrafter, None), metrics)
-    items = [ProposeItem(f"s{i}", 3, 0, [1, 2, last], OPTIONS) for i, last in enumerate((5, POISON, 7))]
+    items = [ProposeItem(f"s{i}", 2, 0, [1, 2, last], OPTIONS) for i, last in enumerate((5, POISON, 7))]
     with caplog.at_level(logging.WARNING, logger="specserve.proposer"):
         results = worker.propose(items)
     assert BatchDrafter.batches == [3]  # one batched call for the three, which failed
@@ -359,6 +360,6 @@ def test_a_failing_batched_proposal_is_retried_one_by_one_logged_and_counted(cap
     assert "batched proposal for 3 sequences failed" in caplog.text
     assert sorted(worker.sequences) == ["s0", "s2"]  # the failed one starts over next round
     # The next round batches the healthy sequences again, from what they already hold.
-    again = worker.propose([ProposeItem("s0", 2, 3, [6], None, 1), ProposeItem("s2", 2, 3, [8], None, 1)])
+    again = worker.propose([ProposeItem("s0", 1, 3, [6], None, 1), ProposeItem("s2", 1, 3, [8], None, 1)])
     assert [r.tokens for r in again] == [[7], [9]] and BatchDrafter.batches == [3, 2]
     assert metrics.faults == {"propose_batch_failed": 1}

@@ -16,10 +16,10 @@ from engine.errors import InvalidRequestError, ModelLoadError
 from engine.kv.block_ledger import AdmissionError
 from engine.model.cached_decoder import FeedRequest
 from engine.sched.sequence_driver import WINDOW_REFUSAL, DriverFactory
-from engine.spec.proposers.draft_model import DraftModelProposer
-from engine.spec.proposers.eagle3 import Eagle3Proposer
-from engine.spec.proposers.mtp import MtpProposer
-from engine.spec.proposers.shared_kv import SharedKvProposer
+from engine.speculative.proposers.draft_model import DraftModelProposer
+from engine.speculative.proposers.eagle3 import Eagle3Proposer
+from engine.speculative.proposers.mtp import MtpProposer
+from engine.speculative.proposers.shared_kv import SharedKvProposer
 
 from .conftest import CPU_CONFIG, MODELS, PINNED, TARGET_DIR, assert_everything_released, generate_concurrently
 

@@ -23,7 +23,7 @@ from deployments.builder import deployed_modes
 from deployments.settings import ServeSettings
 from engine import GenerationOptions
 from engine.model.bundle import Bundle
-from engine.spec.proposers.registry import PROPOSER_KINDS
+from engine.speculative.proposers.registry import PROPOSER_KINDS
 
 from .conftest import free_port
 

@@ -7,10 +7,10 @@ import pytest
 from pydantic import ValidationError
 
 from engine import GenerationOptions, InvalidRequestError
-from engine.spec.proposers.base import NO_NEEDS
-from engine.spec.proposers.prompt_lookup import PromptLookupProposer
-from engine.spec.reference import speculative_decode
-from engine.spec.stats import SpeculativeStats
+from engine.speculative.proposers.base import NO_NEEDS
+from engine.speculative.proposers.prompt_lookup import PromptLookupProposer
+from engine.speculative.reference import speculative_decode
+from engine.speculative.stats import SpeculativeStats
 
 MODES = ["prompt_lookup", "draft_model", "mtp", "eagle3", "shared_kv"]
 HEAD_MODES = ["mtp", "eagle3", "shared_kv"]
@@ -43,7 +43,7 @@ def test_greedy_output_is_identical_to_target_only(mode, bundle_engine, heldout_
 
 
 def reference_decode(engine, mode: str, prompt: str, options: GenerationOptions, k: int):
-    """The one-page reference loop (``engine/spec/reference.py``) on the engine's own
+    """The one-page reference loop (``engine/speculative/reference.py``) on the engine's own
     target and a fresh proposer of the same kind: no scheduler, no workers, no batching."""
     if mode == "none":
         proposer = None

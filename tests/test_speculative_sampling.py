@@ -6,7 +6,7 @@ graphs (logits = table[last token]; a KV past that just records the tokens), wit
 ``manifest.json`` naming one the target and the other the draft model. The real
 ``Engine`` serves it: requests are admitted and batched by the round coordinator, the
 draft model proposes through the proposer worker (sampling its own distribution q from
-the drafter's generator), and the target worker verifies with ``spec/rounds.verify``.
+the drafter's generator), and the target worker verifies with ``speculative/rounds.verify``.
 Because the target is a bigram table, the exact distribution of the first tokens is
 known in closed form, so a chi-square goodness-of-fit test can compare the engine's
 samples (one request per seed) against it. The same test fails for a deliberately
@@ -26,11 +26,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from tokenizers import Tokenizer, models
 
-import engine.spec.rounds as rounds
+import engine.speculative.rounds as rounds
 from engine import Engine, EngineConfig, GenerationOptions, SchedulerConfig, SpeculativeConfig
 from engine.model.manifest import BundleManifest
-from engine.spec.sampling import sample, token_distribution
-from engine.spec.verify import Verdict
+from engine.speculative.sampling import sample, token_distribution
+from engine.speculative.verify import Verdict
 
 VOCAB = 4
 NEW_TOKENS = 4

@@ -2,9 +2,9 @@
 
 At batch > 1 a session takes one padded past per layer, ``[B, heads, L, dim]``. Building
 it from every sequence's own past on every call copies each whole past twice (zeros,
-then the rows): at 16 sequences of ~200 tokens that was 8 ms of a 17.6 ms decode call
-here, and with rewinds' dead slots forcing per-sequence re-gathers, 21 ms of a 49 ms
-verify. Yet the last batched call's ``present`` outputs already are such a tensor,
+then the rows), and with rewinds' dead slots forcing per-sequence re-gathers that is a
+large share of a batched call's time (docs/design-decisions.md). Yet the last batched
+call's ``present`` outputs already are such a tensor,
 holding those sequences' pasts plus what that call appended, and each sequence's
 session copy (``PagedKVCache.session_past``) is a row of it. So the decoder keeps them
 as a ``BatchLayout``:
@@ -145,8 +145,8 @@ class BatchLayouts:
             dtype = pasts[0].keys[layer].dtype
             # Zeros, not empty: a padded slot is masked, but garbage there could be NaN,
             # and 0 x NaN in the attention's weighted sum would still poison the row. Nor
-            # empty plus zeroing only the padding: measured, the copies then pay the fresh
-            # pages' faults, and rebuilds took 0.50 s of a 32-stream run instead of 0.38 s.
+            # empty plus zeroing only the padding: the copies then pay the fresh pages'
+            # faults, which makes rebuilds slower than zeroing everything first.
             keys.append(np.zeros((len(seq_ids), heads, length, dim), dtype))
             values.append(np.zeros((len(seq_ids), heads, length, dim), dtype))
         for row, past in enumerate(pasts):

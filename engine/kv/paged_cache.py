@@ -577,7 +577,7 @@ class PagedKVCache:
         its live prefix, not copies: later calls write only from the sequence's length on
         (a rewind shortens it; committed tokens' KV never changes), so the views keep
         showing this KV, and their one reader, the shared-KV head, copies them into its
-        padded batch anyway. Copying them here too cost ~85 us a round at one stream."""
+        padded batch anyway: a copy here would be paid every round for nothing."""
         s = self._get(seq_id)
         if not 0 <= layer < len(self.layers):
             raise IndexError(f"layer {layer} out of range: the cache has {len(self.layers)} layers")

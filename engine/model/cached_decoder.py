@@ -68,8 +68,8 @@ class CachedDecoder:
         self._pools_spin = self.config.spinning(owns_cores) and self.config.intra_op_threads != 1
         if self.config.in_place_kv and self.config.sliding_window is None:
             threads = self.config.in_place_threads or self.config.intra_op_threads
-            # Several twin threads that sleep between ops wake for every op (a step 5.4 ms
-            # against 3.0 spinning here): where they would, they spin within a run instead.
+            # Several twin threads that sleep between ops wake for every op, which is slower
+            # than spinning: where they would, they spin within a run instead.
             spins = self.config.spinning(owns_cores) or (self.config.in_place_threads or 1) > 1
             self.in_place = InPlaceDecoder.load(self.decoder, threads, spins)
         self.buffers_made = 0  # in-place buffers allocated (a sequence's first, or one that grew or was copied)
@@ -108,6 +108,12 @@ class CachedDecoder:
             return self._feed_batched(requests)
         if session_layout and self._twin_serves(requests[0]):
             return [self._feed_in_place(requests[0])]
+        return self._feed_padded(requests, session_layout)
+
+    def _feed_padded(self, requests: Sequence[FeedRequest], session_layout: bool) -> list[SequenceOutput]:
+        """``feed_batch`` as one call of the standard graph over pasts padded on the right
+        to the longest -- each in the session's own layout, or gathered from the pools --
+        and new tokens padded to the most."""
         pasts = [self.cache.session_past(r.seq_id) if session_layout else self.cache.gathered_past(r.seq_id)
                  for r in requests]
         past_lens = [p.alive.size for p in pasts]
@@ -152,8 +158,8 @@ class CachedDecoder:
         its sessions keep no thread pool spinning (one thread, or spinning off, as in a
         Serve replica). The standard session's pool spins after each batched call, and
         when twin and standard calls alternate on their own cores -- a batched verify, a
-        prefill on the twin, the next verify -- the two fight over them: at 4 streams
-        in-process that cost 15-25 % (target-only and EAGLE-3, same bench, interleaved)."""
+        prefill on the twin, the next verify -- the two fight over them (docs/design-decisions.md
+        measures what that costs)."""
         return (self.in_place is not None and request.first_position == self.cache.length(request.seq_id)
                 and (not self._pools_spin or self.cache.sequence_count == 1))
 

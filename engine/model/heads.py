@@ -1,6 +1,6 @@
 """Loading proposer heads: their ONNX sessions, their configs, and the target arrays
-(embedding table, LM head) they need outside their graphs (the seed's
-``LinearEmbedder`` / ``LinearLmHead``)."""
+(embedding table, LM head) they need outside their graphs (``LinearEmbedder`` /
+``LinearLmHead``, named after the Rust engine's)."""
 from __future__ import annotations
 
 import json
@@ -11,10 +11,11 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from engine.config import Device
 from engine.errors import ModelLoadError
 from engine.kv.paged_cache import LayerGeometry
 from engine.model.probe import probe_session
-from engine.model.providers import Device, create_session, session_options
+from engine.model.providers import create_session, session_options
 
 log = logging.getLogger("specserve.engine")
 INT8_FILE = "model.int8.onnx"  # a head's int8 twin, beside model.onnx (``modelbuild.int8_graph``)
@@ -55,9 +56,9 @@ class LinearLmHead:
             raise ModelLoadError(f"LM head must be [vocab, hidden], got shape {weight.shape}")
         self.weight_t = np.ascontiguousarray(weight.T, dtype=np.float32)
         # onnxruntime's MatMul on the calling thread (one thread: no pool to wake or to
-        # fight the target's). In MTP's rounds in-process, 4 products a round, 0.57-0.60 ms
-        # against 0.79-0.84 for numpy's einsum, whose loop is not BLAS; numpy's BLAS matmul
-        # wakes OpenBLAS's thread pool, whose spinning threads made the target's runs 2x slower.
+        # fight the target's). It is faster than numpy's einsum, whose loop is not BLAS, and
+        # numpy's BLAS matmul wakes OpenBLAS's thread pool, whose spinning threads slow the
+        # target's runs down (docs/design-decisions.md).
         self._session = ort.InferenceSession(MATMUL_GRAPH, session_options(1, spinning=False),
                                              providers=["CPUExecutionProvider"])
 

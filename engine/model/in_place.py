@@ -8,8 +8,7 @@ calls still carry. Its twin (``model.inplace.onnx``, written by
 slots per layer that is bound through IO binding as both the past input and the present
 output, so the call writes only its new tokens' KV, at slot ``length``, and a rewind is a
 shorter ``length`` -- what onnxruntime-genai does with ``past_present_share_buffer``.
-Measured here in a batch-1 decode loop, interleaved with the standard graph: 0.88x the
-time per call, for 1 and 5 new tokens alike.
+It saves the copies at 1 and 5 new tokens alike (docs/benchmarks/ measures the saving).
 
 A bundle may carry a second twin for single-token calls (``model.inplace.step.onnx``)
 on weights that are faster there: a converted GGUF's Q4_1 blocks run a decode step in
@@ -94,8 +93,7 @@ class InPlaceDecoder:
         if thread_spinning:
             # Spin within a run, never after it: the standard session's pool, which serves the
             # batched calls in between, would otherwise find this one's threads spinning on
-            # its cores (at 4 streams 15-25 % slower; in a batch-1 loop with 0.1 ms of Python
-            # between runs, 0.906 of the standard graph's time against 0.894 spinning after).
+            # its cores; a batch-1 loop loses next to nothing by it (docs/design-decisions.md).
             options.add_session_config_entry("session.force_spinning_stop", "1")
         return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 

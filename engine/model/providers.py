@@ -8,13 +8,12 @@ process and device string.
 from __future__ import annotations
 
 import logging
-from typing import Literal
 
 import onnxruntime as ort
 
+from engine.config import Device
 from engine.errors import ModelLoadError
 
-Device = Literal["auto", "cpu", "cuda"]
 log = logging.getLogger("specserve.engine")
 _logged: set[str] = set()
 _cuda_unusable = False  # remembered so "auto" tries (and logs the CUDA failure) only once

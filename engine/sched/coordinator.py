@@ -26,13 +26,14 @@ from typing import Hashable, Protocol, Sequence
 from engine.config import SchedulerConfig
 from engine.errors import EngineError
 from engine.kv.block_ledger import Grant
-from engine.sched.costs import DraftCostModel, DraftCostTable, VerifyCostModel, VerifyCostTable
-from engine.sched.draft_length import DraftLengthController, DraftRequest
+from engine.sched.cost_tables import DraftCostTable, VerifyCostTable
+from engine.sched.draft_length import (DraftCosts, DraftLengthPlanner, DraftRequest, ProposerCall, RoundTime,
+                                      SequenceRetired, SequenceRound, TargetCall)
 from engine.sched.metrics import RoundMetrics
 from engine.sched.proposer_worker import ProposeItem, ProposeResult
 from engine.sched.sequence_driver import SequenceDriver, tokens_behind
 from engine.sched.target_worker import PrefillItem, TargetResult, VerifyItem
-from engine.spec.proposers.registry import RESTARTING_MODES
+from engine.speculative.proposers.registry import HEAD_MODES
 
 log = logging.getLogger("specserve.coordinator")
 
@@ -77,10 +78,10 @@ class Transport(Protocol):
         """A target replica is gone: its pool must stop taking admissions."""
 
     async def verify_costs(self) -> VerifyCostTable:
-        """The target's measured cost of a verify pass by batch and rows (``sched.costs``)."""
+        """The target's measured cost of a verify pass by batch and rows (``sched.calibration``)."""
 
     async def draft_costs(self, mode: str) -> DraftCostTable:
-        """A proposer kind's measured cost of a call by batch and drafts (``sched.costs``)."""
+        """A proposer kind's measured cost of a call by batch and drafts (``sched.calibration``)."""
 
 
 @dataclass(eq=False)
@@ -127,7 +128,7 @@ class RoundCoordinator:
 
     Admission reserves each request's worst case (``SequenceDriver.kv_tokens``) before
     its first round, waiting for room; a round can then never run out of KV, so there is
-    no preemption and no recomputation (README "One scheduler" says why).
+    no preemption and no recomputation (docs/architecture.md says why).
     A proposer that fails or stalls costs speed, never correctness: its sequences run
     rounds without drafts for ``proposer_backoff_s``, then try again (a replacement
     replica re-syncs from the whole context).
@@ -145,8 +146,8 @@ class RoundCoordinator:
         self._lanes = [_Lane() for _ in range(config.lanes if transport.concurrent else 1)]
         self.max_batch = config.max_batch_size  # per lane and tick; the rest wait their turn (FIFO)
         self.timings = TickTimings()
-        self.draft_lengths: DraftLengthController | None = None  # made when a request first adapts
-        self._costed_modes: set[str] = set()
+        self.planner: DraftLengthPlanner | None = None  # made when a request first adapts
+        self._costed_modes: set[str] = set()  # modes whose measured draft costs the planner has
 
     @property
     def active(self) -> int:
@@ -266,9 +267,10 @@ class RoundCoordinator:
             if run.driver.finished:
                 self._retire(lane, run)
         finished = time.perf_counter()
-        if self.draft_lengths is not None and decoding and not prefilling \
-                and all(run.driver.round_steps == 1 for run in decoding):  # a round's overhead, not several's
-            self.draft_lengths.verify_costs.observe_overhead(len(decoding), finished - started - in_calls)
+        if self.planner is not None:
+            self.planner.observe(RoundTime(len(decoding), len(prefilling),
+                                           any(run.driver.round_steps > 1 for run in decoding),
+                                           finished - started - in_calls))
         t = self.timings
         t.ticks, t.rounds = t.ticks + 1, t.rounds + len(prefilling) + len(decoding)
         t.propose_s += propose_done - started
@@ -283,7 +285,7 @@ class RoundCoordinator:
             driver = run.driver
             if driver.local_proposer is None:
                 continue
-            driver.round_drafts = driver.max_drafts()
+            driver.round_num_drafts = driver.max_num_drafts()
             try:
                 driver.propose_locally()
             except Exception as exc:  # noqa: BLE001 - a proposer failure costs drafts, never the request
@@ -293,23 +295,21 @@ class RoundCoordinator:
 
     async def _choose_draft_lengths(self, decoding: list[_Run]) -> None:
         """Set every decoding sequence's drafts for this round: pinned requests get their
-        maximum; adaptive ones what ``DraftLengthController`` plans for their target call
+        maximum; adaptive ones what ``DraftLengthPlanner`` plans for their target call
         (a model-free proposer's at most what it found, and its drafts are cut to that).
         Also how many plain rounds each call runs (``round_steps``): ``plain_steps`` for
         a call of target-only sequences, what the plan chose for a call it drafts nothing
         in, else one."""
         adaptive = [run for run in decoding if run.driver.adaptive]
-        if adaptive and self.draft_lengths is None:
-            self.draft_lengths = DraftLengthController(VerifyCostModel(await self.transport.verify_costs()),
-                                                       DraftCostModel(RESTARTING_MODES),
-                                                       plain_steps=self.config.plain_steps,
-                                                       replan_rounds=self.config.replan_rounds)
+        if adaptive and self.planner is None:
+            self.planner = DraftLengthPlanner.for_target(await self.transport.verify_costs(), HEAD_MODES,
+                                                         self.config.plain_steps, self.config.replan_rounds)
         for mode in {run.driver.mode for run in adaptive if run.driver.remote_proposer} - self._costed_modes:
             self._costed_modes.add(mode)
-            self.draft_lengths.draft_costs.add(mode, await self.transport.draft_costs(mode))
+            self.planner.observe(DraftCosts(mode, await self.transport.draft_costs(mode)))
         for run in decoding:
             driver = run.driver
-            driver.round_drafts = driver.max_drafts() if driver.local_proposer is None else driver.drafted
+            driver.round_num_drafts = driver.max_num_drafts() if driver.local_proposer is None else driver.drafted
             driver.round_steps = 1
         calls: dict[str, list[_Run]] = defaultdict(list)
         for run in decoding:
@@ -323,17 +323,15 @@ class RoundCoordinator:
                 continue
             if not any(run.driver.adaptive for run in runs):
                 continue  # every round drafts its maximum: nothing to plan
-            requests = [DraftRequest(r.driver.seq_id, r.driver.mode, r.driver.round_drafts, r.driver.adaptive,
+            requests = [DraftRequest(r.driver.seq_id, r.driver.mode, r.driver.round_num_drafts, r.driver.adaptive,
                                      r.driver.catch_up, r.driver.ending, r.driver.proposer_cold) for r in runs]
-            self.draft_lengths.last_steps = 1
-            ks = self.draft_lengths.plan(requests)
-            steps = 1 if any(ks) else self.draft_lengths.last_steps  # a plan without drafts may run several
-            for run, k in zip(runs, ks):
-                run.driver.round_drafts, run.driver.round_steps = k, steps
+            plan = self.planner.plan(requests)
+            for run, num_drafts in zip(runs, plan.num_drafts):
+                run.driver.round_num_drafts, run.driver.round_steps = num_drafts, plan.steps
                 if run.driver.local_proposer is not None:
-                    run.driver.keep_drafts(k)
+                    run.driver.keep_drafts(num_drafts)
                 if run.driver.adaptive:
-                    self.metrics.draft_length(run.driver.mode, k)
+                    self.metrics.draft_length(run.driver.mode, num_drafts)
 
     async def _gather(self, calls) -> list:
         """Await calls, returning exceptions in place of results. A transport whose calls
@@ -396,20 +394,10 @@ class RoundCoordinator:
         if pairs:
             seconds = time.perf_counter() - started
             self.metrics.draft_call(mode, seconds)
-            # A call that hands a worker a whole context (a sequence's first round, or a
-            # resync) pays a draft model's prefill, and one after rounds without drafts pays
-            # its catch-up on their tokens: neither is what a round's drafts cost, so such a
-            # call prices catch-up tokens instead. (Charged as drafting, a catch-up once kept
-            # draft_model at k = 0 at one stream: no drafts, so no cheaper call corrected it.)
-            if self.draft_lengths is not None:
-                drafts = [item.width - 1 for _, item in pairs]
+            if self.planner is not None:
                 behind = sum(tokens_behind(item.since, len(item.new_tokens), run.driver.num_drafts)
                              for run, item in pairs)
-                costs = self.draft_lengths.draft_costs
-                if behind:
-                    costs.observe_catch_up(mode, len(drafts), max(drafts), sum(drafts), behind, seconds)
-                else:
-                    costs.observe(mode, len(drafts), max(drafts), sum(drafts), seconds)
+                self.planner.observe(ProposerCall(mode, [item.num_drafts for _, item in pairs], behind, seconds))
         return served_by, [(run, result) for (run, _), result in zip(pairs, results)]
 
     def _take_proposals(self, lane: _Lane, mode: str, replica: str | None, outcome) -> None:
@@ -449,9 +437,8 @@ class RoundCoordinator:
         calls = {}
         for replica, (prefills, verifies, runs) in groups.items():
             releases, lane.target_releases[replica] = lane.target_releases.get(replica, []), []
-            # A call whose sequences are not the last call's pays for the change: a joiner's
-            # past copied into the batch layout, a leaver's row run as a dummy or the layout
-            # rebuilt. A cost of arrivals and departures, not of the round a plan prices.
+            # Whether the call's sequences are the replica's last call's: a call that pays for
+            # arrivals and departures teaches the planner nothing (``TargetCall``).
             members = frozenset(item.seq_id for item in verifies)
             changed = members != lane.members.get(replica)
             lane.members[replica] = members
@@ -464,12 +451,9 @@ class RoundCoordinator:
         if prefills or verifies:
             seconds = time.perf_counter() - started
             self.metrics.verify_call(seconds)
-            # Calls with a prefill, or with other sequences than the last call's, teach the
-            # cost model nothing: what they cost beyond a round is not what a plan chooses.
-            steps = {item.steps for item in verifies}  # several plain rounds: all alike, or cut short
-            if self.draft_lengths is not None and verifies and not prefills and not changed and len(steps) == 1:
-                self.draft_lengths.verify_costs.observe([len(item.drafts) + 1 for item in verifies], seconds,
-                                                        steps.pop())
+            if self.planner is not None:
+                self.planner.observe(TargetCall([len(item.drafts) + 1 for item in verifies],
+                                                [item.steps for item in verifies], len(prefills), changed, seconds))
         return results, releases
 
     def _take_target_results(self, lane: _Lane, replica: str, runs: list[_Run], outcome) -> None:
@@ -499,9 +483,9 @@ class RoundCoordinator:
                 self.timings.rounds += len(rounds) - 1 if rounds else 0  # the tick counted one
                 for verified in rounds:
                     self.metrics.verify_round(run.driver.mode, *verified)
-                    if self.draft_lengths is not None:
-                        self.draft_lengths.acceptance.record(run.driver.seq_id, run.driver.mode, verified.drafts,
-                                                             verified.accepted)
+                    if self.planner is not None:
+                        self.planner.observe(SequenceRound(run.driver.seq_id, run.driver.mode, verified.num_drafts,
+                                                           verified.accepted))
 
     def _forget_target(self, replica: str) -> None:
         if replica not in self._forgotten:
@@ -541,8 +525,8 @@ class RoundCoordinator:
         if run in lane.runs:
             lane.runs.remove(run)
         seq_id = run.driver.seq_id
-        if self.draft_lengths is not None:
-            self.draft_lengths.acceptance.forget(seq_id)
+        if self.planner is not None:
+            self.planner.observe(SequenceRetired(seq_id))
         if run.grant is not None:
             lane.target_releases[run.grant.replica].append(seq_id)  # then the ledger, once the pages are free
             run.grant = None

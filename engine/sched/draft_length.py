@@ -1,69 +1,70 @@
 """Adaptive speculation: how many drafts each sequence gets this round.
 
 A draft costs target compute whether or not it is accepted. At batch 1 a verify pass
-is memory-bound, so drafts are nearly free and k = k_max pays; at a large batch on a
-CPU the pass is compute-bound, every draft row costs about what a whole sequence's
-step costs, and a weak proposer loses to plain decoding. So each round the scheduler
-asks ``DraftLengthController.plan`` for every sequence's k in 0..k_max and minimises
-the mean expected time per token over the batch's requests, T(plan) * mean_s 1 / E_s:
+is memory-bound, so drafts are nearly free and drafting the maximum pays; at a large
+batch on a CPU the pass is compute-bound, every draft row costs about what a whole
+sequence's step costs, and a weak proposer loses to plain decoding. So each round the
+scheduler asks ``DraftLengthPlanner.plan`` for every sequence's draft count n in
+0..max_num_drafts and minimises the mean expected time per token over the batch's
+requests, T(plan) * mean_s 1 / E_s:
 
-    E_s(k)  = 1 + sum_{i<=k} prod_{j<=i} alpha_s,j      (tokens sequence s commits)
+    E_s(n)  = 1 + sum_{i<=n} prod_{j<=i} alpha_s,j      (tokens sequence s commits)
     T(plan) = T_verify(batch, rows) + sum_mode T_draft(mode, steps)
 
 Every sequence in a call waits for the whole call, so drafting rows for some make the
-others slower; the mean time per token is what each request sees. Maximising the
-batch's tokens per second instead let a plan speed up the sequences that found drafts
-at the others' expense: prompt lookup and the draft model at 16 streams drafted for
-half a batch and ran at 0.93-0.95 of plain decoding, against 0.96-0.99 with this
-objective (same process, interleaved).
+others slower; the mean time per token is what each request sees. The batch's tokens
+per second would reward a plan that speeds up the sequences that found drafts at the
+others' expense (``docs/adaptive-speculation.md`` compares the two objectives).
 
 ``alpha_s,j`` is the sequence's live acceptance of draft position j given the drafts
-before it were accepted, shrunk toward its mode's average while the sequence has few
-rounds. ``T_verify`` and ``T_draft`` are the target's and each proposer's costs,
-measured when their workers start (``sched.costs``) and corrected online by what
-real calls cost beyond them, per batch-size bucket. k = 0 is a plain target round.
-Rounds stay lossless whatever k is: only how many drafts are verified changes, never how.
+before it were accepted (``sched.acceptance``). ``T_verify`` and ``T_draft`` are the
+target's and each proposer's costs, measured when their workers start
+(``sched.calibration``) and corrected online by what real calls cost beyond them, per
+batch-size bucket (``sched.cost_models``); a plan is priced by ``sched.call_pricing``.
+n = 0 is a plain target round. Rounds stay lossless whatever n is: only how many drafts
+are verified changes, never how.
+
+A plan without drafts may make its target call *multi-step*: several plain rounds back
+to back in one call (``SchedulerConfig.plain_steps``, vLLM's num_scheduler_steps).
+
+The coordinator only schedules: it asks ``plan(call)`` before a round's target call and
+reports what it then sees through ``observe(record)`` -- a verified round, a retired
+sequence, a proposer or target call and its seconds, a round's time outside its calls, a
+proposer kind's measured costs. Which of them teach what is decided here.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from itertools import product
-from typing import Sequence
+from typing import Iterable, NamedTuple, Sequence, Union
 
-from engine.sched.costs import DraftCostModel, VerifyCostModel
+from engine.sched.acceptance import AcceptanceTracker
+from engine.sched.call_pricing import CallPricing, DraftRequest
+from engine.sched.cost_models import DraftCostModel, VerifyCostModel
+from engine.sched.cost_tables import DraftCostTable, VerifyCostTable
 
-PRIOR_ACCEPTANCE = 0.7   # a mode's acceptance before it has any rounds: optimistic, so it gets tried
-MODE_PRIOR_WEIGHT = 4.0  # rounds' worth of weight that prior keeps in a mode's average: one early
-                         # rejection must not sink a position the mode then never drafts again
-PRIOR_WEIGHT = 8.0       # rounds' worth of weight the mode average keeps in a sequence's estimate
-MODE_DECAY = 0.995       # per recorded round: a mode's average follows the current traffic
 MIXED_PLAN_MARGIN = 0.05  # a plan between "no drafts" and "every maximum" must be predicted this much
-                          # faster than the better of the two: the cost model is good to ~10 % here
+                          # faster than the better of the two: below the cost model's error, a pinned
+                          # plan is as good a guess (docs/adaptive-speculation.md)
 # Exploration: after EXPLORE_EVERY plans in a row in which a mode drafted short of its
 # maximum, in a call of EXPLORE_BATCH sequences, one sequence drafts one position deeper;
 # in proportion to the call's sequences otherwise (``explore_wait``), but after at least
 # EXPLORE_MIN. In a large call one exploring sequence costs the whole batch (a split
 # verify, a layout shuffled, a draft model's catch-up) and tells no more than in a small
-# one. Alone it costs a head step and a free row, and a request of 48 tokens lasts ~25
-# rounds: waiting 32 plans, one unlucky start (position 2 rejected three times) kept a
-# one-stream request at k = 1 to its end.
+# one. Alone it costs a head step and a row the pass has room for, and a request lasts a
+# few dozen rounds: a wait of EXPLORE_EVERY would let one unlucky start (position 2
+# rejected a few times) keep a one-stream request at one draft to its end.
 EXPLORE_EVERY, EXPLORE_BATCH, EXPLORE_MIN = 32, 4, 8
-SEVERAL_ROUNDS_MARGIN = 0.1  # several plain rounds in one call must be predicted this much faster than a
-                             # drafting plan: they skip that many chances to re-plan. Without it, at 4
-                             # streams, near the break-even, the draft model drafted 0.69 a token against
-                             # 0.86 with it (0.90 and 0.95 of fixed k, same bench)
-SEVERAL_PRIOR_MARGIN = 0.25  # ... and this much while they are priced from the prior (``VerifyCostModel.
-                             # plain_rounds``), which is optimistic at a large batch: at 32 streams it priced
-                             # 8 rounds at 105 ms where they ran 130-155, and plans at a wave's start chose
-                             # them over drafting rounds that ran faster a token (shared-KV, 0.94-0.98 of fixed k)
-ENGAGE_MARGIN = 0.1      # see ``DraftLengthController._best``
+MULTI_STEP_MARGIN = 0.1  # a multi-step call must be predicted this much faster than a drafting plan:
+                         # it skips as many chances to re-plan as it has further rounds, and near the
+                         # break-even a plan would otherwise swing to it on noise
+MULTI_STEP_PRIOR_MARGIN = 0.25  # ... and this much while it is priced from the prior (``VerifyCostModel.
+                                # plain_rounds``), which underprices it at a large batch: real pasts are
+                                # longer than the calibration's (docs/adaptive-speculation.md)
+ENGAGE_MARGIN = 0.1      # see ``DraftLengthPlanner._best``
 HELD_CALLS = 16          # calls whose plans are held at once (a lane and replica each); more: start over
 HOLD_GROWTH = 4          # a plan re-planned to itself holds twice as long each time, up to this many times
-                         # ``replan_rounds`` (``DraftLengthController.plan``)
-CATCH_UP_STEPS = 0.15    # a draft model's step-equivalents per token of catch-up until calls that carried
-                         # catch-ups have priced it (``DraftCostModel.catch_up_token``): it feeds them in one
-                         # batched pass (here a sequence's step, the table's, 0.06-0.11 ms; a catch-up
-                         # token 0.011-0.016 ms: 8 sequences aligning 12 and 42 tokens against 2)
+                         # ``replan_rounds`` (``DraftLengthPlanner.plan``)
 
 
 def explore_wait(sequences: int) -> float:
@@ -72,80 +73,73 @@ def explore_wait(sequences: int) -> float:
     return max(EXPLORE_MIN, EXPLORE_EVERY * sequences / EXPLORE_BATCH)
 
 
-@dataclass
-class _Counts:
-    tested: list[float] = field(default_factory=list)   # rounds that reached position i (drafts < i all accepted)
-    passed: list[float] = field(default_factory=list)   # ... and accepted it
+class RoundPlan(NamedTuple):
+    """One target call's plan: each request's draft count, in the call's order, and how
+    many plain rounds the call runs back to back (1 unless it drafts nothing)."""
 
-    def record(self, drafts: int, accepted: int, decay: float = 1.0) -> None:
-        if decay != 1.0:
-            self.tested = [t * decay for t in self.tested]
-            self.passed = [p * decay for p in self.passed]
-        grow = drafts - len(self.tested)
-        if grow > 0:
-            self.tested.extend([0.0] * grow)
-            self.passed.extend([0.0] * grow)
-        for i in range(min(drafts, accepted + 1)):  # positions the target actually judged
-            self.tested[i] += 1
-            self.passed[i] += i < accepted
+    num_drafts: list[int]
+    steps: int = 1
 
 
-class AcceptanceTracker:
-    """Per-sequence and per-mode acceptance of each draft position, conditional on the
-    drafts before it being accepted (the only way a position is ever judged)."""
-
-    def __init__(self) -> None:
-        self._modes: dict[str, _Counts] = {}
-        self._seqs: dict[object, _Counts] = {}
-
-    def record(self, seq_id, mode: str, drafts: int, accepted: int) -> None:
-        if drafts <= 0:
-            return
-        self._modes.setdefault(mode, _Counts()).record(drafts, accepted, MODE_DECAY)
-        self._seqs.setdefault(seq_id, _Counts()).record(drafts, accepted)
-
-    def forget(self, seq_id) -> None:
-        self._seqs.pop(seq_id, None)
-
-    def alphas(self, seq_id, mode: str, k_max: int) -> list[float]:
-        """Each position's estimate: the sequence's own counts, shrunk toward its mode's
-        average (itself shrunk toward ``PRIOR_ACCEPTANCE``), each ``(passed + weight *
-        prior) / (tested + weight)``."""
-        mode_counts, own = self._modes.get(mode, _NO_COUNTS), self._seqs.get(seq_id, _NO_COUNTS)
-        mode_tested, mode_passed, tested, passed = mode_counts.tested, mode_counts.passed, own.tested, own.passed
-        known_mode, known = len(mode_tested), len(tested)
-        rates = []
-        for i in range(k_max):
-            prior = (((mode_passed[i] if i < known_mode else 0.0) + MODE_PRIOR_WEIGHT * PRIOR_ACCEPTANCE)
-                     / ((mode_tested[i] if i < known_mode else 0.0) + MODE_PRIOR_WEIGHT))
-            rates.append(((passed[i] if i < known else 0.0) + PRIOR_WEIGHT * prior)
-                         / ((tested[i] if i < known else 0.0) + PRIOR_WEIGHT))
-        return rates
-
-
-_NO_COUNTS = _Counts()  # read only: what a sequence or mode without rounds has
-
-
-@dataclass(frozen=True)
-class DraftRequest:
-    """One sequence's entry in a round's plan."""
+# -- what the coordinator reports (``DraftLengthPlanner.observe``) --------------------------
+class SequenceRound(NamedTuple):
+    """A verify round of one sequence: how many drafts it checked, how many were accepted."""
 
     seq_id: object
     mode: str
-    k_max: int          # the most this round may draft (request's k, capped by length/context)
-    adaptive: bool      # False: the request pinned k = k_max
-    catch_up: float = 0.0  # tokens a draft model must feed before it drafts, beyond a round's,
-                           # per round the request has left (``SequenceDriver.catch_up``)
-    ending: bool = False   # the request's budget has one token left: k_max is 0 for its sake, not
-                           # for want of drafts, and several plain rounds cost it nothing
-    cold: bool = False     # its proposer has not seen the sequence yet (``SequenceDriver.proposer_cold``)
+    num_drafts: int
+    accepted: int
+
+
+class SequenceRetired(NamedTuple):
+    seq_id: object
+
+
+class TargetCall(NamedTuple):
+    """One target call and its seconds: each verified sequence's rows (its drafts + 1) and
+    plain rounds asked for, and what else the call carried."""
+
+    rows: list[int]
+    steps: list[int]
+    prefills: int
+    sequences_changed: bool  # not the sequences of the replica's last call: some joined or left
+    seconds: float
+
+
+class ProposerCall(NamedTuple):
+    """One proposer call that drafted for sequences: each one's draft count, the tokens the
+    proposer fed beyond what their rounds committed (``tokens_behind``), and its seconds."""
+
+    mode: str
+    num_drafts: list[int]
+    catch_up_tokens: int
+    seconds: float
+
+
+class RoundTime(NamedTuple):
+    """A tick's seconds outside its proposer and target calls."""
+
+    sequences: int    # decoding sequences
+    prefills: int
+    multi_step: bool  # some target call ran several plain rounds
+    seconds: float
+
+
+class DraftCosts(NamedTuple):
+    """A proposer kind's measured cost table (``ProposerWorker.draft_costs``)."""
+
+    mode: str
+    table: DraftCostTable
+
+
+Observation = Union[SequenceRound, SequenceRetired, TargetCall, ProposerCall, RoundTime, DraftCosts]
 
 
 @dataclass
 class _HeldPlan:
     """A call's plan while it holds: for the maxima it was made for, ``hold`` rounds."""
 
-    ks: list[int]
+    num_drafts: list[int]
     steps: int
     maxima: list[int]
     hold: int
@@ -157,32 +151,54 @@ class _HeldPlan:
         if self.rounds >= self.hold:
             return None
         if maxima == self.maxima:
-            return self.ks
-        if self.ks == self.maxima and all(m <= h for m, h in zip(maxima, self.maxima)):
+            return self.num_drafts
+        if self.num_drafts == self.maxima and all(m <= h for m, h in zip(maxima, self.maxima)):
             return maxima
         return None
 
+    def replans_to(self, plan: "_HeldPlan") -> bool:
+        """Whether ``plan``, made when this one's hold ran out, is this one again."""
+        return self.rounds >= self.hold and (self.maxima, self.num_drafts, self.steps) == (
+            plan.maxima, plan.num_drafts, plan.steps)
 
-class DraftLengthController:
+
+class _Candidate(NamedTuple):
+    num_drafts: list[int]
+    steps: int    # plain rounds in the call: more than 1 only without drafts
+    rate: float   # the plan's worth in tokens per second (``CallPricing.rate``)
+
+
+class DraftLengthPlanner:
+    """Plans each target call's drafts (``plan``) and learns from what the coordinator
+    saw (``observe``): live acceptance, and what calls and rounds really cost."""
+
     def __init__(self, verify_costs: VerifyCostModel, draft_costs: DraftCostModel,
                  acceptance: AcceptanceTracker | None = None, plain_steps: int = 1, replan_rounds: int = 1) -> None:
         self.verify_costs, self.draft_costs = verify_costs, draft_costs
         self.acceptance = acceptance or AcceptanceTracker()
         self.plain_steps = plain_steps  # plain rounds a target call may run back to back
-        self.last_steps = 1             # ... and how many the last plan chose (1 unless it drafts nothing)
         self.replan_rounds = replan_rounds  # rounds a plan holds while its call stays the same
         self.plans = 0                  # plans computed (not held), for tests
         self._held: dict[tuple, _HeldPlan] = {}  # call (its sequences) -> its plan
         self._idle_plans: dict[str, int] = {}
         self._follow_ups: dict[str, object] = {}  # mode -> the sequence it explored with last plan
 
-    def plan(self, requests: Sequence[DraftRequest]) -> list[int]:
+    @classmethod
+    def for_target(cls, table: VerifyCostTable, heads: Iterable[str], plain_steps: int = 1,
+                   replan_rounds: int = 1) -> "DraftLengthPlanner":
+        """A planner for a target whose verify passes ``table`` measured; ``heads``: the
+        modes whose proposer is a head (``DraftCostModel``). Each proposer kind's costs
+        come in later, as ``DraftCosts`` records."""
+        return cls(VerifyCostModel(table), DraftCostModel(heads), plain_steps=plain_steps, replan_rounds=replan_rounds)
+
+    def plan(self, call: Sequence[DraftRequest]) -> RoundPlan:
         """Drafts for each request of one target call, in order (``_best``), exploring
         now and then (``_explore``).
 
-        Planning is a tax where adaptive does what a pinned k does (one stream, a good
-        head): ~90 us a computed plan against a ~5 ms round (the process's caches are
-        cold after each onnxruntime run), so a plan is computed only when it can matter:
+        Planning is a tax where adaptive does what a pinned draft count does (one stream,
+        a good head): a computed plan is a measurable share of a one-stream round, the
+        process's caches being cold after each onnxruntime run (docs/adaptive-speculation.md),
+        so a plan is computed only when it can matter:
 
         - *Nothing to decide*: every sequence adaptive, none with drafts to verify (a
           prompt lookup that found nothing) and none on its last token -- a plain round,
@@ -191,237 +207,215 @@ class DraftLengthController:
           that call's plan for ``replan_rounds`` rounds; each time a re-plan comes out the
           same, the next one waits twice as long, up to ``HOLD_GROWTH`` times that (what a
           plan weighs, live acceptance and measured costs, moves little from one round to
-          the next; a sequence that joins or leaves plans afresh at once). Computing it
-          every round cost one-stream rounds 1.5-2 %; held for 4 rounds, ~1-1.5 % still
-          (median 88 us a computed plan, one in three MTP rounds).
+          the next; a sequence that joins or leaves plans afresh at once).
         - *Shrunk*: a held plan that drafts every maximum carries over when maxima only
           shrink (a request nearing its end, a prompt lookup finding fewer): every new
-          maximum is what a pinned k would do, and a smaller round cannot make drafting
+          maximum is what a pinned count would do, and a smaller round cannot make drafting
           the maximum worse by the plan's own measure.
 
-        A call of several plain rounds counts as that many rounds; exploring happens round
-        by round whatever the plan's source."""
-        if all(r.adaptive and r.k_max == 0 and not r.ending for r in requests):
-            self.last_steps = 1  # the plan _best would make: nothing to verify, a plain round
-            return [0] * len(requests)
-        key = tuple((r.seq_id, r.mode, r.adaptive) for r in requests) if self.replan_rounds > 1 else None
-        maxima = [r.k_max for r in requests]
+        A multi-step call counts as that many rounds; exploring happens round by round
+        whatever the plan's source."""
+        if all(r.adaptive and r.max_num_drafts == 0 and not r.ending for r in call):
+            return RoundPlan([0] * len(call))  # the plan _best would make: nothing to verify, a plain round
+        num_drafts, steps = self._held_or_planned(call)
+        self._explore(call, num_drafts, steps)
+        return RoundPlan(num_drafts, steps if not any(num_drafts) else 1)  # exploring may have added a draft
+
+    def observe(self, record: Observation) -> None:
+        """Learn from what the coordinator saw (the records above)."""
+        match record:
+            case SequenceRound():
+                self.acceptance.record(record.seq_id, record.mode, record.num_drafts, record.accepted)
+            case SequenceRetired():
+                self.acceptance.forget(record.seq_id)
+            case TargetCall():
+                self._learn_target_call(record)
+            case ProposerCall():
+                self._learn_proposer_call(record)
+            case RoundTime():
+                if record.sequences and not record.prefills and not record.multi_step:  # one round's, not several's
+                    self.verify_costs.observe_overhead(record.sequences, record.seconds)
+            case DraftCosts():
+                self.draft_costs.add(record.mode, record.table)
+
+    # -- learning ------------------------------------------------------------------------
+    def _learn_target_call(self, call: TargetCall) -> None:
+        """Calls with a prefill, or with other sequences than the replica's last call's,
+        teach the cost model nothing: they pay for arrivals and departures (a joiner's past
+        copied into the batch layout, a leaver's row run as a dummy or the layout rebuilt),
+        not for the round a plan prices. A multi-step call is learnt as such when all its
+        sequences ran alike (none cut short by its budget)."""
+        if call.rows and not call.prefills and not call.sequences_changed and len(set(call.steps)) == 1:
+            self.verify_costs.observe(call.rows, call.seconds, call.steps[0])
+
+    def _learn_proposer_call(self, call: ProposerCall) -> None:
+        """A call that hands a worker a whole context (a sequence's first round, or a
+        resync) pays a draft model's prefill, and one after rounds without drafts pays its
+        catch-up on their tokens: neither is what a round's drafts cost, so such a call
+        prices catch-up tokens instead. (Charged as drafting, a catch-up would keep a draft
+        model from drafting, and then no cheaper drafting call would correct it.)"""
+        n, longest, total = len(call.num_drafts), max(call.num_drafts), sum(call.num_drafts)
+        if call.catch_up_tokens:
+            self.draft_costs.observe_catch_up(call.mode, n, longest, total, call.catch_up_tokens, call.seconds)
+        else:
+            self.draft_costs.observe(call.mode, n, longest, total, call.seconds)
+
+    # -- holding plans -------------------------------------------------------------------
+    def _held_or_planned(self, call: Sequence[DraftRequest]) -> tuple[list[int], int]:
+        """The call's held plan where it serves this round's maxima, else a new plan,
+        which the call then holds. Each is a fresh list: exploring may add a draft."""
+        key = tuple((r.seq_id, r.mode, r.adaptive) for r in call) if self.replan_rounds > 1 else None
+        maxima = [r.max_num_drafts for r in call]
         held = self._held.get(key)
         reused = held.serves(maxima) if held is not None else None
         if reused is not None:
-            best_ks, best_steps = reused, held.steps
-            held.rounds += best_steps
-        else:
-            best_ks, best_steps = self._best(requests)
-            self.plans += 1
-            if key is not None:
-                hold = self.replan_rounds
-                if held is not None and held.rounds >= held.hold and (held.maxima, held.ks, held.steps) == (
-                        maxima, best_ks, best_steps):  # the same call re-planned to the same plan
-                    hold = min(2 * held.hold, HOLD_GROWTH * self.replan_rounds)
-                if len(self._held) >= HELD_CALLS and key not in self._held:
-                    self._held.clear()
-                self._held[key] = _HeldPlan(list(best_ks), best_steps, maxima, hold, best_steps)
-        best_ks = list(best_ks)
-        self._explore(requests, best_ks, best_steps)
-        self.last_steps = best_steps if not any(best_ks) else 1  # exploring may have added a draft
-        return best_ks
+            held.rounds += held.steps
+            return list(reused), held.steps
+        num_drafts, steps = self._best(call)
+        self.plans += 1
+        if key is not None:
+            self._hold(key, held, _HeldPlan(list(num_drafts), steps, maxima, self.replan_rounds, steps))
+        return list(num_drafts), steps
 
-    def _best(self, requests: Sequence[DraftRequest]) -> tuple[list[int], int]:
+    def _hold(self, key: tuple, previous: _HeldPlan | None, plan: _HeldPlan) -> None:
+        """Hold a call's new plan: twice as long as its previous one when it re-planned to
+        the same (up to ``HOLD_GROWTH`` times ``replan_rounds``)."""
+        if previous is not None and previous.replans_to(plan):
+            plan.hold = min(2 * previous.hold, HOLD_GROWTH * self.replan_rounds)
+        if len(self._held) >= HELD_CALLS and key not in self._held:
+            self._held.clear()
+        self._held[key] = plan
+
+    # -- the best plan -------------------------------------------------------------------
+    def _best(self, call: Sequence[DraftRequest]) -> tuple[list[int], int]:
         """The plan for one target call (``_best_of``), engaging a draft model for
         sequences it has never seen only when that is predicted ``ENGAGE_MARGIN`` faster
         than the best plan without them: a draft model that drafts for a sequence first
         prefills it and then keeps up with it for the rest of the request, and that costs
-        more than its rounds' prices say. At fixed k, drafting every round, the draft model
-        ran 0.91-0.96 of target-only at 32 streams and 1.05 at 16, where the rounds'
-        prices had it 3-8 % and 18 % faster."""
-        ks, steps, rate = self._best_of(requests)
-        new = [r.cold and r.mode not in self.draft_costs.restarting for r in requests]
-        if any(k and cold for k, cold in zip(ks, new)):
-            left_out = [replace(r, k_max=0, adaptive=False) if cold else r for r, cold in zip(requests, new)]
-            alt_ks, alt_steps, alt_rate = self._best_of(left_out)
-            if rate < alt_rate * (1 + ENGAGE_MARGIN):
-                return alt_ks, alt_steps
-        return ks, steps
+        more than its rounds' prices say (docs/adaptive-speculation.md measures by how much)."""
+        best = self._best_of(call)
+        new = [r.cold and r.mode not in self.draft_costs.heads for r in call]
+        if any(n and cold for n, cold in zip(best.num_drafts, new)):
+            left_out = self._best_of([replace(r, max_num_drafts=0, adaptive=False) if cold else r
+                                      for r, cold in zip(call, new)])
+            if best.rate < left_out.rate * (1 + ENGAGE_MARGIN):
+                return left_out.num_drafts, left_out.steps
+        return best.num_drafts, best.steps
 
-    def _best_of(self, requests: Sequence[DraftRequest]) -> tuple[list[int], int, float]:
+    def _best_of(self, call: Sequence[DraftRequest]) -> _Candidate:
         """The plan for one target call: each request's drafts, how many plain rounds
         the call runs (1 unless it drafts nothing), and its worth (tokens/s).
 
-        Every mode gets a cap K (tried exhaustively for up to two adaptive modes in the
-        call, coordinate-wise beyond); under a cap, each sequence drafts while its next
-        draft's expected tokens pay for the draft-model step it costs at the
-        batch's rate. The caps whose plan has the least mean time per token win -- but a
-        plan between the two a user could pin (no drafts, every maximum) only when it is
-        predicted ``MIXED_PLAN_MARGIN`` faster than the better of them: where the model
-        cannot tell plans apart, doing what a pinned k does costs nothing. The target call
-        is costed padded: a batched verify runs every sequence to the longest one's rows.
-
-        A plan without drafts may run ``plain_steps`` rounds in its one target call
-        (the second value says whether it does): one hop and one round's bookkeeping for that
-        many tokens a sequence, where a drafting round pays its hops for its expected
-        tokens. Through a server whose hops cost milliseconds that can beat drafting at one
-        stream; in-process it rarely does."""
-        call = _CallPricing(self, requests)
-        modes = sorted({r.mode for r in requests if r.adaptive and r.k_max > 0})
-        top = {m: max(r.k_max for r in requests if r.mode == m and r.adaptive) for m in modes}
-        best_rate, best_ks, best_steps = -1.0, [r.k_max if not r.adaptive else 0 for r in requests], 1
-        if len(modes) <= 2:
-            choices = product(*(range(top[m] + 1) for m in modes))
-        else:  # coordinate-wise: each mode's cap in turn, the others at their maximum
-            choices = [tuple(top[x] if x != m else k for x in modes) for m in modes for k in range(top[m] + 1)]
-        baselines = []  # (rate, ks, steps) of the plans a user could pin: no drafts, every maximum
-        # Several plain rounds skip as many chances to draft: only where this round's plan
-        # weighed drafts for every adaptive sequence, so that the plan, not the absence of
-        # drafts, says no (a prompt lookup that found nothing this round may find some the next).
-        # A request on its last token counts as weighed: it ends this round whatever the plan
-        # (blocking on it, adaptive ran its wave's tail one plain round a call at 32 streams,
-        # 6.7 such calls a wave at 1.06 ms a token against 0.57 for target-only's tail).
-        several_ok = self.plain_steps > 1 and all(r.k_max > 0 or r.ending for r in requests if r.adaptive)
-        several = None  # the batch's tokens/s over ``plain_steps`` plain rounds in one call, once asked
-        for caps in choices:
-            ks, rate = call.under_caps(dict(zip(modes, caps)))
+        Every mode gets a cap (``_caps``); under a cap, each sequence drafts while its next
+        draft's expected tokens pay for the draft-model step it costs at the batch's rate.
+        The caps whose plan has the least mean time per token win -- but a plan between
+        the two a user could pin (no drafts, every maximum) only when it is predicted
+        ``MIXED_PLAN_MARGIN`` faster than the better of them: where the model cannot tell
+        plans apart, doing what a pinned count does costs nothing. The target call is
+        costed padded: a batched verify runs every sequence to the longest one's rows.
+        A plan without drafts may be a multi-step call (``_MultiStepCall``)."""
+        pricing = CallPricing(self.acceptance, self.verify_costs, self.draft_costs, call)
+        modes = sorted({r.mode for r in call if r.adaptive and r.max_num_drafts > 0})
+        top = {m: max(r.max_num_drafts for r in call if r.mode == m and r.adaptive) for m in modes}
+        multi_step = _MultiStepCall(self, call)
+        best = _Candidate([r.max_num_drafts if not r.adaptive else 0 for r in call], 1, -1.0)
+        pinnable = []  # the plans a user could pin: no drafts, every maximum
+        for caps in _caps(modes, top):
+            num_drafts, rate = pricing.under_caps(dict(zip(modes, caps)))
             steps = 1
-            if several_ok and not any(ks):
-                if several is None:
-                    n = len(requests)
-                    margin = SEVERAL_ROUNDS_MARGIN if self.verify_costs.several_known(n) else SEVERAL_PRIOR_MARGIN
-                    several = n * self.plain_steps / self.verify_costs.plain_rounds(n, self.plain_steps)
-                # At a tie (nothing of the call learnt yet: both priced from the table) run them
-                # several to a call, as target-only does: single plain rounds at a wave's tail
-                # cost 1.1 ms a token at 16 streams against 0.85 ms several to a call.
-                if several >= rate * (1 - 1e-9):  # weighed against drafting plans with a margin below
-                    rate, steps = max(rate, several / (1 + margin)), self.plain_steps
+            if multi_step.allowed and not any(num_drafts):
+                rate, steps = multi_step.weighed(rate)
             if all(c == 0 for c in caps) or all(c == top[m] for c, m in zip(caps, modes)):
-                baselines.append((rate, ks, steps))
-            if rate > best_rate * (1 + 1e-6):
-                best_rate, best_ks, best_steps = rate, ks, steps
-        baseline_rate, baseline_ks, baseline_steps = max(baselines, key=lambda b: b[0],
-                                                         default=(0.0, best_ks, best_steps))
-        if best_rate < baseline_rate * (1 + MIXED_PLAN_MARGIN):
-            best_ks, best_steps, best_rate = baseline_ks, baseline_steps, baseline_rate
-        return best_ks, best_steps, best_rate
+                pinnable.append(_Candidate(num_drafts, steps, rate))
+            if rate > best.rate * (1 + 1e-6):
+                best = _Candidate(num_drafts, steps, rate)
+        baseline = max(pinnable, key=lambda c: c.rate, default=_Candidate(best.num_drafts, best.steps, 0.0))
+        return baseline if best.rate < baseline.rate * (1 + MIXED_PLAN_MARGIN) else best
 
-    def _catch_up_s(self, r: DraftRequest) -> float:
-        """Seconds a draft model's catch-up adds to this round if the sequence drafts (a
-        head restarts every pass: it has none)."""
-        if not r.catch_up or r.mode in self.draft_costs.restarting:
-            return 0.0
-        return r.catch_up * self.draft_costs.catch_up_token(r.mode, CATCH_UP_STEPS)
-
-    def _explore(self, requests: Sequence[DraftRequest], ks: list[int], steps: int = 1) -> None:
+    # -- exploring -----------------------------------------------------------------------
+    def _explore(self, call: Sequence[DraftRequest], num_drafts: list[int], steps: int = 1) -> None:
         """Acceptance of draft position j is only measured in rounds that draft past it. A
         mode whose plans have stopped short of its maximum for ``explore_wait`` plans in a
         row gets one sequence drafting one position deeper (from 0: one draft), so its
         estimates follow the traffic (and recover from an unlucky start) instead of
         freezing at "not worth it". A draft model explored from 0 drafts one more round
-        with the same sequence: the first call is a catch-up, not a measurement. A plan of
-        ``steps`` plain rounds in one call counts as that many plans: the wait is in
-        rounds (one stream, 8 rounds a plan, it would otherwise outlast a request)."""
+        with the same sequence: the first call is a catch-up, not a measurement. A
+        multi-step call counts as that many plans: the wait is in rounds (at one stream,
+        with several plain rounds a call, a wait in plans would outlast a request)."""
         waiting: dict[str, list[int]] = {}  # mode -> its adaptive sequences that could draft
-        for i, r in enumerate(requests):
-            if r.adaptive and r.k_max > 0:
+        for i, r in enumerate(call):
+            if r.adaptive and r.max_num_drafts > 0:
                 waiting.setdefault(r.mode, []).append(i)
         for mode, members in waiting.items():
             explored = self._follow_ups.pop(mode, None)
-            again = next((i for i in members if requests[i].seq_id == explored), None)
-            if again is not None and ks[again] == 0 and mode not in self.draft_costs.restarting:
+            again = next((i for i in members if call[i].seq_id == explored), None)
+            if again is not None and num_drafts[again] == 0 and mode not in self.draft_costs.heads:
                 # The exploring call after plain rounds first catches a draft model up on
                 # their tokens, which is never observed as what a draft costs; without a
                 # second drafting round its cost, overestimated once (a calibration on a
                 # loaded machine), would never be measured again.
-                ks[again] = 1
+                num_drafts[again] = 1
                 continue
-            short = [i for i in members if ks[i] < requests[i].k_max]
-            if len(short) < len(members) and max(ks[i] for i in members) == max(requests[i].k_max for i in members):
+            short = [i for i in members if num_drafts[i] < call[i].max_num_drafts]
+            if len(short) < len(members) and (max(num_drafts[i] for i in members)
+                                              == max(call[i].max_num_drafts for i in members)):
                 self._idle_plans[mode] = 0  # some sequence drafts the deepest allowed: every position is judged
                 continue
             self._idle_plans[mode] = self._idle_plans.get(mode, 0) + 1
-            if self._idle_plans[mode] < explore_wait(len(requests)):
-                if not any(ks):
+            if self._idle_plans[mode] < explore_wait(len(call)):
+                if not any(num_drafts):
                     self._idle_plans[mode] += steps - 1  # the call's further plain rounds
                 continue
             self._idle_plans[mode] = 0
-            deepest = max(short, key=lambda i: ks[i])
-            if ks[deepest] == 0:
-                self._follow_ups[mode] = requests[deepest].seq_id
-            ks[deepest] += 1
+            deepest = max(short, key=lambda i: num_drafts[i])
+            if num_drafts[deepest] == 0:
+                self._follow_ups[mode] = call[deepest].seq_id
+            num_drafts[deepest] += 1
 
 
-class _CallPricing:
-    """One target call's plans priced from tables made once per ``plan``: each sequence's
-    expected tokens for every k (prefix products of its alphas), its draft-model step and
-    catch-up, and the call's verify and proposer costs as functions bound once. A plan
-    weighs every cap of its call, and recomputing these per cap was a quarter of its
-    time at 16-32 sequences (warm: 120 -> 95 us a plan at 16, 186 -> 132 at 32; at one
-    sequence 39 -> 37, where the plan's fixed part dominates and holding it pays)."""
+def _caps(modes: list[str], top: dict[str, int]) -> Iterable[tuple[int, ...]]:
+    """The caps a plan weighs, one per mode in ``modes`` order: every combination for up
+    to two adaptive modes in the call; beyond, coordinate-wise (each mode's cap in turn,
+    the others at their maximum)."""
+    if len(modes) <= 2:
+        return product(*(range(top[m] + 1) for m in modes))
+    return [tuple(top[x] if x != m else cap for x in modes) for m in modes for cap in range(top[m] + 1)]
 
-    def __init__(self, controller: DraftLengthController, requests: Sequence[DraftRequest]) -> None:
-        self.requests = requests
-        acceptance, draft_costs = controller.acceptance, controller.draft_costs
-        self.reach: list[list[float]] = []   # per request: P(drafts 1..j+1 all accepted), j < k_max
-        self.inverse: list[list[float]] = []  # per request: 1 / expected tokens committed with k drafts
-        for r in requests:
-            reach, tokens, reaches, inverse = 1.0, 1.0, [], [1.0]
-            for alpha in acceptance.alphas(r.seq_id, r.mode, r.k_max):
-                reach *= alpha
-                tokens += reach
-                reaches.append(reach)
-                inverse.append(1.0 / tokens)
-            self.reach.append(reaches)
-            self.inverse.append(inverse)
-        self.catch_up = [controller._catch_up_s(r) for r in requests]
-        # A draft model's step, where pruning applies (adaptive, not a head, a measured step)
-        self.step = [draft_costs.marginal_step(r.mode) if r.adaptive and r.mode not in draft_costs.restarting else 0.0
-                     for r in requests]
-        self.verify = controller.verify_costs.round_prices(len(requests))  # rows -> seconds
-        self.modes = list(dict.fromkeys(r.mode for r in requests))
-        self.mode_of = [self.modes.index(r.mode) for r in requests]
-        self.draft = [draft_costs.prices(mode) for mode in self.modes]  # (n, steps, tokens) -> seconds
 
-    def under_caps(self, caps: dict[str, int]) -> tuple[list[int], float]:
-        """Each sequence's k under its mode's cap, and the plan's worth."""
-        ks = [min(r.k_max, caps.get(r.mode, r.k_max)) if r.adaptive else r.k_max for r in self.requests]
-        rate = self.rate(ks)
-        # A batched verify pads every sequence to the call's longest, so below the longest a
-        # draft costs no target row; what it can still cost is a draft model's step. Drop
-        # the trailing drafts whose expected tokens do not pay for that at the batch's rate.
-        # A draft model that sat out rounds (or never saw the sequence) first feeds what it
-        # missed: its first draft also pays for that catch-up (spread over the rounds left).
-        pruned = False
-        for i, step in enumerate(self.step):
-            if step == 0.0:
-                continue
-            keep, reaches = 0, self.reach[i]
-            for j in range(ks[i]):
-                if reaches[j] < rate * (step + (self.catch_up[i] if j == 0 else 0.0)):
-                    break
-                keep = j + 1
-            if keep < ks[i]:
-                ks[i], pruned = keep, True
-        return ks, self.rate(ks) if pruned else rate
+class _MultiStepCall:
+    """A plan without drafts as a multi-step call: ``plain_steps`` plain rounds in its one
+    target call, one hop and one round's bookkeeping for that many tokens a sequence,
+    where a drafting round pays its hops for its expected tokens. Through a server whose
+    hops cost milliseconds that can beat drafting at one stream; in-process it rarely does.
 
-    def rate(self, ks: list[int]) -> float:
-        """A plan's worth as tokens per second: the batch's size over its mean expected
-        time per token (sum_s E_s / T when every sequence commits alike)."""
-        inverse, catch_up, widest = 0.0, 0.0, 0  # catch_up: seconds of draft models catching up first
-        counts = [0] * len(self.modes)  # per mode: drafting sequences, their longest k, their drafts
-        longest, drafts = counts[:], counts[:]
-        for i, k in enumerate(ks):
-            inverse += self.inverse[i][k]
-            if k > 0:
-                m = self.mode_of[i]
-                counts[m] += 1
-                drafts[m] += k
-                if k > longest[m]:
-                    longest[m] = k
-                catch_up += self.catch_up[i]
-                if k > widest:
-                    widest = k
-        n = len(ks)
-        seconds = self.verify(n * (widest + 1)) + catch_up  # padded to the longest
-        for m, count in enumerate(counts):
-            if count:
-                seconds += self.draft[m](count, longest[m], drafts[m])
-        expected = n ** 2 / inverse if inverse else 0.0
-        return expected / seconds if seconds > 0 else float("inf")
+    Allowed only where the plan weighed drafts for every adaptive sequence, so that the
+    plan, not the absence of drafts, says no (a prompt lookup that found nothing this
+    round may find some the next). A request on its last token counts as weighed: it
+    ends this round whatever the plan, and blocking on it would run a wave's tail one
+    plain round a call, dearer a token than target-only's tail."""
+
+    def __init__(self, planner: DraftLengthPlanner, call: Sequence[DraftRequest]) -> None:
+        self.verify_costs, self.steps, self.sequences = planner.verify_costs, planner.plain_steps, len(call)
+        self.allowed = self.steps > 1 and all(r.max_num_drafts > 0 or r.ending for r in call if r.adaptive)
+        self._priced: tuple[float, float] | None = None
+
+    def _rate_and_margin(self) -> tuple[float, float]:
+        """The batch's tokens/s over the call's rounds, and the margin it must win by:
+        priced once, when a plan first weighs a cap without drafts."""
+        if self._priced is None:
+            n, costs = self.sequences, self.verify_costs
+            margin = MULTI_STEP_MARGIN if costs.knows_multi_step(n) else MULTI_STEP_PRIOR_MARGIN
+            self._priced = n * self.steps / costs.plain_rounds(n, self.steps), margin
+        return self._priced
+
+    def weighed(self, rate: float) -> tuple[float, int]:
+        """A plan without drafts worth ``rate`` in one round a call: its worth and plain
+        rounds as a multi-step call where that is no worse (with a margin, below: it skips
+        chances to re-plan), else as it is. Only where ``allowed``."""
+        multi_rate, margin = self._rate_and_margin()
+        # At a tie (nothing of the call learnt yet: both priced from the table) run them
+        # several to a call, as target-only does: the call's fixed cost is then paid
+        # once for several tokens.
+        if multi_rate >= rate * (1 - 1e-9):
+            return max(rate, multi_rate / (1 + margin)), self.steps
+        return rate, 1

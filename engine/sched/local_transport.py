@@ -8,7 +8,7 @@ from typing import Hashable, Sequence
 from engine.errors import EngineError
 from engine.kv.admission import Admission
 from engine.kv.block_ledger import Grant
-from engine.sched.costs import DraftCostTable, VerifyCostTable
+from engine.sched.cost_tables import DraftCostTable, VerifyCostTable
 from engine.sched.proposer_worker import ProposeItem, ProposeResult, ProposerWorker
 from engine.sched.target_worker import PrefillItem, TargetResult, TargetWorker, VerifyItem
 

@@ -17,9 +17,9 @@ class RoundMetrics:
 
     def tick(self, seconds: float, active: int) -> None: ...
 
-    def verify_round(self, mode: str, drafts: int, accepted: int, committed: int) -> None: ...
+    def verify_round(self, mode: str, num_drafts: int, accepted: int, committed: int) -> None: ...
 
-    def draft_length(self, mode: str, drafts: int) -> None:
+    def draft_length(self, mode: str, num_drafts: int) -> None:
         """The number of drafts adaptive speculation chose for one sequence's round."""
 
     def fault(self, kind: str, mode: str = "") -> None:

@@ -22,11 +22,12 @@ import numpy as np
 from engine.errors import EngineError
 from engine.options import GenerationOptions
 from engine.sched.metrics import RoundMetrics
-from engine.spec.proposers.base import AcceptContext, Proposal, Proposer, ProposerContext
-from engine.sched.costs import CALIBRATION_PAST, DraftCostTable, measure_draft_costs
-from engine.spec.proposers.registry import PROPOSER_KINDS, LoadedProposer
-from engine.spec.rounds import Anchor, proposer_context
-from engine.spec.sampling import SequenceRules
+from engine.speculative.proposers.base import AcceptContext, Proposal, Proposer, ProposerContext
+from engine.sched.calibration import CALIBRATION_PAST, measure_draft_costs
+from engine.sched.cost_tables import DraftCostTable
+from engine.speculative.proposers.registry import PROPOSER_KINDS, LoadedProposer
+from engine.speculative.rounds import Anchor, proposer_context
+from engine.speculative.sampling import SequenceRules
 
 log = logging.getLogger("specserve.proposer")
 
@@ -34,7 +35,7 @@ log = logging.getLogger("specserve.proposer")
 @dataclass(frozen=True)
 class ProposeItem:
     seq_id: Hashable
-    width: int                  # drafts + 1 the round may commit
+    num_drafts: int             # most drafts the round may verify
     since: int                  # index in the committed tokens where ``new_tokens`` start
     new_tokens: list[int]       # committed tokens the worker has not seen yet
     options: GenerationOptions | None  # sent with the whole context only (since == 0)
@@ -77,7 +78,7 @@ class ProposerWorker:
         self.loaded.model.probe()
 
     def draft_costs(self) -> DraftCostTable:
-        """What a call costs by batch and drafts (``sched.costs``), timed on first use on
+        """What a call costs by batch and drafts (``sched.calibration``), timed on first use on
         synthetic contexts and kept. Owners call it at start-up."""
         if self._costs is None:
             anchor = PROPOSER_KINDS[self.mode].calibration_anchor(self.loaded, CALIBRATION_PAST + 1)
@@ -101,7 +102,7 @@ class ProposerWorker:
                 if mirror is None:
                     results[item.seq_id] = ProposeResult(item.seq_id, [], resync=True)
                     continue
-                context = proposer_context(item.width, mirror.tokens, mirror.options, item.anchor or Anchor(),
+                context = proposer_context(item.num_drafts, mirror.tokens, mirror.options, item.anchor or Anchor(),
                                            mirror.rng, mirror.rules)
                 if mirror.proposer.batchable:
                     batch.append((item, context, mirror))
@@ -168,6 +169,6 @@ class ProposerWorker:
 
 
 def _result(item: ProposeItem, proposal: Proposal) -> ProposeResult:
-    drafts = [int(t) for t in proposal.tokens[: item.width - 1]]
+    drafts = [int(t) for t in proposal.tokens[: item.num_drafts]]
     probs = None if proposal.probs is None else proposal.probs[: len(drafts)]
     return ProposeResult(item.seq_id, drafts, probs)

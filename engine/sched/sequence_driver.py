@@ -2,7 +2,7 @@
 
 A ``SequenceDriver`` never touches a model: it builds the small messages for the
 target and proposer workers (``PrefillItem``, ``ProposeItem``, ``VerifyItem``) and applies
-what comes back, using the pieces of ``spec/rounds.py``: ``draft_width``,
+what comes back, using the pieces of ``speculative/rounds.py``: ``drafts_allowed``,
 ``commit_outcome`` (through ``SequenceState.commit``) and ``record_round``. A model-free
 proposer (prompt lookup) runs right here: it needs only the committed tokens, which the
 coordinator already holds, so a hop would cost more than the lookup.
@@ -20,17 +20,25 @@ from engine.model.tokenizer import TextTokenizer, encode_prompt
 from engine.options import SPECULATIVE_MODES, GenerationOptions
 from engine.sched.proposer_worker import ProposeItem, ProposeResult
 from engine.sched.target_worker import PrefillItem, VerifyItem
-from engine.spec.proposers.base import NO_NEEDS, AcceptContext, Needs, Proposer
-from engine.spec.proposers.registry import PROPOSER_KINDS
-from engine.spec.rounds import Anchor, RoundOutcome, commit_outcome, draft_width, proposer_context, record_round
-from engine.spec.sequence import SequenceState, TokenCallback
-from engine.spec.stats import SpeculativeStats
+from engine.speculative.proposers.base import NO_NEEDS, AcceptContext, Needs, Proposer
+from engine.speculative.proposers.registry import PROPOSER_KINDS
+from engine.speculative.rounds import (Anchor, RoundOutcome, commit_outcome, drafts_allowed, proposer_context,
+                                       record_round, tokens_left)
+from engine.speculative.sequence import SequenceState, TokenCallback
+from engine.speculative.stats import SpeculativeStats
 
 
 class VerifiedRound(NamedTuple):
-    drafts: int
+    num_drafts: int
     accepted: int
     committed: int
+
+
+class Speculation(NamedTuple):
+    """A request's speculative decoding, resolved and checked (``DriverFactory.validate``)."""
+
+    mode: str
+    num_drafts: int  # most drafts per round: the request's num_speculative_tokens, or the engine's
 
 
 # A verify pass lets draft i see window + i keys and evicts before rejected drafts are
@@ -56,7 +64,7 @@ class SequenceDriver:
         self.seq_id, self.state, self.mode, self.num_drafts, self.needs = seq_id, state, mode, num_drafts, needs
         self.kv_tokens = kv_tokens or len(state.tokens) + state.options.max_new_tokens  # KV to reserve
         self.adaptive = adaptive and mode != "none"  # the scheduler picks each round's drafts (<= num_drafts)
-        self.round_drafts = num_drafts  # this round's draft count, as the scheduler chose it
+        self.round_num_drafts = num_drafts  # this round's draft count, as the scheduler chose it
         self.round_steps = 1            # plain rounds this round's target call may run (no drafts only)
         self.local_proposer, self.remote_proposer = local_proposer, remote_proposer
         self.stats = SpeculativeStats(mode=mode)
@@ -83,18 +91,18 @@ class SequenceDriver:
         return PrefillItem(self.seq_id, list(self.state.tokens), self.state.options, self.needs, reserved_blocks,
                            resume=self.resuming, rules=self.state.rules)
 
-    def width(self) -> int:
-        """Most tokens this round may commit: the round's drafts + 1, within the budget."""
-        return draft_width(self.state, self.round_drafts) if self.prefilled else 1
+    def _drafts_this_round(self) -> int:
+        """Most drafts this round may verify: the scheduler's choice, within the budget."""
+        return drafts_allowed(self.state, self.round_num_drafts) if self.prefilled else 0
 
-    def max_drafts(self) -> int:
+    def max_num_drafts(self) -> int:
         """Most drafts the scheduler may give this sequence's next round."""
-        return 0 if self.mode == "none" or not self.prefilled else draft_width(self.state, self.num_drafts) - 1
+        return 0 if self.mode == "none" or not self.prefilled else drafts_allowed(self.state, self.num_drafts)
 
     @property
     def ending(self) -> bool:
         """The next round can commit one token at most: the request's budget ends with it."""
-        return self.prefilled and draft_width(self.state, 1) <= 1
+        return self.prefilled and tokens_left(self.state) <= 1
 
     @property
     def proposer_cold(self) -> bool:
@@ -105,25 +113,25 @@ class SequenceDriver:
     def propose_item(self) -> ProposeItem | None:
         """The message for a remote proposer this round, or None if no drafts are wanted."""
         self.no_drafts()
-        width = self.width()
-        if not self.remote_proposer or width <= 1:
+        num_drafts = self._drafts_this_round()
+        if not self.remote_proposer or num_drafts == 0:
             return None
         tokens = self.state.tokens
         since = self._proposer_has
         self._proposer_has = len(tokens)
-        return ProposeItem(self.seq_id, width, since, tokens[since:], None if since else self.state.options,
+        return ProposeItem(self.seq_id, num_drafts, since, tokens[since:], None if since else self.state.options,
                            self._last_accepted if since else -1, self.anchor, None if since else self.state.rules)
 
     def propose_locally(self) -> None:
         """Draft with the in-coordinator (model-free) proposer, if this request has one."""
         self.no_drafts()
-        width = self.width()
-        if self.local_proposer is None or width <= 1:
+        num_drafts = self._drafts_this_round()
+        if self.local_proposer is None or num_drafts == 0:
             return
         state = self.state
         proposal = self.local_proposer.propose(
-            proposer_context(width, state.tokens, state.options, Anchor(), None, state.rules))
-        self._drafts = [int(t) for t in proposal.tokens[: width - 1]]
+            proposer_context(num_drafts, state.tokens, state.options, Anchor(), None, state.rules))
+        self._drafts = [int(t) for t in proposal.tokens[:num_drafts]]
 
     @property
     def catch_up(self) -> float:
@@ -143,11 +151,11 @@ class SequenceDriver:
         """Drafts this round holds so far."""
         return len(self._drafts)
 
-    def keep_drafts(self, k: int) -> None:
-        """Verify only the first ``k`` of this round's drafts."""
-        self._drafts = self._drafts[:k]
+    def keep_drafts(self, num_drafts: int) -> None:
+        """Verify only the first ``num_drafts`` of this round's drafts."""
+        self._drafts = self._drafts[:num_drafts]
         if self._probs is not None:
-            self._probs = self._probs[:k]
+            self._probs = self._probs[:num_drafts]
 
     def no_drafts(self) -> None:
         """This round verifies no drafts (its proposer is unavailable)."""
@@ -164,7 +172,7 @@ class SequenceDriver:
         """This round's verify message. Without drafts, ``round_steps`` > 1 asks the target
         for that many plain rounds back to back (it feeds its own tokens), within the
         request's budget."""
-        steps = draft_width(self.state, self.round_steps - 1) if self.round_steps > 1 and not self._drafts else 1
+        steps = min(self.round_steps, tokens_left(self.state)) if self.round_steps > 1 and not self._drafts else 1
         return VerifyItem(self.seq_id, list(self._drafts), self._probs, steps)
 
     # -- what came back ------------------------------------------------------------------
@@ -188,16 +196,16 @@ class SequenceDriver:
             rounds.append(self._commit(step, 0))
         return rounds
 
-    def _commit(self, outcome: RoundOutcome, drafts: int) -> VerifiedRound:
-        """Commit one verify round that checked ``drafts`` drafts: the tokens, the stats and
-        what the in-coordinator proposer learns."""
+    def _commit(self, outcome: RoundOutcome, num_drafts: int) -> VerifiedRound:
+        """Commit one verify round that checked ``num_drafts`` drafts: the tokens, the stats
+        and what the in-coordinator proposer learns."""
         committed = commit_outcome(self.state, outcome)
-        record_round(self.stats, drafts, outcome.accepted, committed)
+        record_round(self.stats, num_drafts, outcome.accepted, committed)
         self._last_accepted = outcome.accepted
         if self.local_proposer is not None:
             self.local_proposer.accept(AcceptContext(outcome.accepted, outcome.tokens[:committed],
                                                      list(self.state.tokens)))
-        return VerifiedRound(drafts, outcome.accepted, committed)
+        return VerifiedRound(num_drafts, outcome.accepted, committed)
 
     def lost_target(self) -> None:
         """The target holding this sequence's KV is gone: re-prefill what is committed."""
@@ -248,16 +256,24 @@ class DriverFactory:
     def modes(self) -> list[str]:
         return served_modes(self.served)
 
-    def resolve_mode(self, options: GenerationOptions) -> tuple[str, int]:
+    def validate(self, options: GenerationOptions) -> Speculation:
+        """Check a request's options against this deployment -- its mode is served (and
+        allowed beside a sliding window), its token ids are in the vocabulary -- and
+        resolve its speculation. Raises ``InvalidRequestError`` naming the option."""
+        speculation = self._resolve_mode(options)
+        self._check_token_ids(options)
+        return speculation
+
+    def _resolve_mode(self, options: GenerationOptions) -> Speculation:
         mode = options.speculative_mode or self.default_mode
         if mode != "none" and self.config.sliding_window is not None:
-            raise InvalidRequestError(WINDOW_REFUSAL)
+            raise InvalidRequestError(WINDOW_REFUSAL, param="speculative_mode")
         if mode not in self.modes:
             raise InvalidRequestError(f"speculative mode '{mode}' is not loaded "
-                                      f"(available: {', '.join(self.modes)})")
-        return mode, options.num_speculative_tokens or self.speculative.num_speculative_tokens
+                                      f"(available: {', '.join(self.modes)})", param="speculative_mode")
+        return Speculation(mode, options.num_speculative_tokens or self.speculative.num_speculative_tokens)
 
-    def check_token_ids(self, options: GenerationOptions) -> None:
+    def _check_token_ids(self, options: GenerationOptions) -> None:
         """The options' token ids (``stop_token_ids``, ``logit_bias``' keys) are in the vocabulary."""
         for param, ids in (("stop_token_ids", options.stop_token_ids),
                            ("logit_bias", [token for token, _ in options.logit_bias])):
@@ -280,19 +296,21 @@ class DriverFactory:
         return min(tokens, held_blocks * size)
 
     def create(self, seq_id: Hashable, prompt_ids: list[int], options: GenerationOptions,
-               on_token: TokenCallback | None = None) -> SequenceDriver:
-        mode, k = self.resolve_mode(options)
-        self.check_token_ids(options)
+               on_token: TokenCallback | None = None, speculation: Speculation | None = None) -> SequenceDriver:
+        """A driver for one sequence. ``speculation``: what ``validate`` made of these
+        options, where the caller validated them before (the router answers a bad request
+        before it admits any of its choices); None validates them here."""
+        mode, num_drafts = speculation or self.validate(options)
         state = SequenceState(prompt_ids, options, self.tokenizer, self.eos_token_ids, self.max_context, on_token)
         kind = PROPOSER_KINDS.get(mode)
-        local = kind.local_proposer(self.speculative, k) if kind is not None and kind.in_coordinator else None
+        local = kind.local_proposer(self.speculative, num_drafts) if kind is not None and kind.in_coordinator else None
         adaptive = options.adaptive_speculation
         if adaptive is None:
             # A seed asks for a reproducible sample, and a sampled round's random draws depend
             # on how many drafts it verifies -- which adapting ties to measured timings. So a
-            # seeded sampled request keeps its k unless it asks to adapt.
+            # seeded sampled request keeps its draft count unless it asks to adapt.
             adaptive = self.speculative.adaptive and (options.greedy or options.seed is None)
-        return SequenceDriver(seq_id, state, mode, k, self.served.get(mode, NO_NEEDS), local,
+        return SequenceDriver(seq_id, state, mode, num_drafts, self.served.get(mode, NO_NEEDS), local,
                               remote_proposer=mode in self.served,
                               kv_tokens=self.kv_reservation(len(prompt_ids), options.max_new_tokens),
                               adaptive=adaptive)

@@ -5,7 +5,7 @@ A router sends a batch of small items per tick -- prefills (prompt tokens) and v
 count, the committed tokens, their logprobs and the hidden-state anchor. Logits never
 leave this worker and the KV cache never moves: the worker keeps each sequence's
 committed tokens, options and sampling generator next to its KV pages, so a verify item
-is O(k). Verification itself is ``spec/rounds.verify_on_target``, the same code the
+is O(k). Verification itself is ``speculative/rounds.verify_on_target``, the same code the
 reference loop runs. The in-process engine and every target replica run this worker.
 
 Physical KV blocks are granted by the block ledger (in-process, or the KV-manager
@@ -22,13 +22,15 @@ from typing import Any, Hashable, Sequence
 import numpy as np
 
 from engine.model.cached_decoder import CachedDecoder, FeedRequest
-from engine.sched.costs import VerifyCostTable, measure_verify_costs, verify_groups
+from engine.sched.calibration import measure_verify_costs
+from engine.sched.cost_tables import VerifyCostTable
+from engine.sched.verify_split import verify_groups
 from engine.errors import EngineError
 from engine.options import GenerationOptions
-from engine.spec.proposers.base import Needs
-from engine.spec.proposers.shared_kv import shared_kv_slices
-from engine.spec.rounds import Anchor, RoundOutcome, prompt_logprobs, verify_on_target
-from engine.spec.sampling import SequenceRules
+from engine.speculative.proposers.base import Needs
+from engine.speculative.proposers.shared_kv import shared_kv_slices
+from engine.speculative.rounds import Anchor, RoundOutcome, prompt_logprobs, verify_on_target
+from engine.speculative.sampling import SequenceRules
 
 log = logging.getLogger("specserve.target")
 
@@ -97,7 +99,7 @@ class TargetWorker:
         self.target.probe()
 
     def verify_costs(self, max_batch: int = 32) -> VerifyCostTable:
-        """The measured cost of verify passes on this target (``sched.costs``), timed on
+        """The measured cost of verify passes on this target (``sched.calibration``), timed on
         first use and kept. Owners call it at start-up, before taking sequences: it runs
         the target on dummy sequences in free blocks (and so also warms onnxruntime up)."""
         if self._costs is None:
@@ -215,7 +217,7 @@ class TargetWorker:
 
     def _feed_grouped(self, requests: list[FeedRequest]) -> list:
         """One padded call, or the sequences without drafts apart from those with them,
-        whichever the measured table predicts cheaper (``sched.costs.verify_groups``)."""
+        whichever the measured table predicts cheaper (``sched.verify_split``)."""
         outputs: list = [None] * len(requests)
         for group in verify_groups([len(r.tokens) for r in requests], self._costs) if requests else []:
             for i, out in zip(group, self.target.feed_batch([requests[i] for i in group])):

@@ -1,6 +1,6 @@
 """A Gemma-4 assistant (``google/gemma-4-*-it-assistant``, transformers'
 ``Gemma4AssistantForCausalLM``), converted to the shared-KV head graph that
-``engine/spec/proposers/shared_kv.py`` runs. mobius (task ``gemma4-assistant``) builds
+``engine/speculative/proposers/shared_kv.py`` runs. mobius (task ``gemma4-assistant``) builds
 it, float32, from ``config.json`` + ``*.safetensors``.
 
 Graph contract (float32 unless noted; no past/present, the head has no cache)::

@@ -44,7 +44,7 @@ from pathlib import Path
 from .weights import apply_every_weight
 
 # The graph contract of the engine's MTP proposer (engine/model/heads.py,
-# engine/spec/proposers/mtp.py); float32 throughout except the int64 mask and positions.
+# engine/speculative/proposers/mtp.py); float32 throughout except the int64 mask and positions.
 CONTRACT_INPUTS = ("inputs_embeds", "hidden_states", "attention_mask", "position_ids",
                    "past_key_values.0.key", "past_key_values.0.value")
 CONTRACT_OUTPUTS = ("mtp_hidden", "present.0.key", "present.0.value")

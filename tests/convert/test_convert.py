@@ -13,10 +13,10 @@ from engine import Engine, EngineConfig, GenerationOptions, SpeculativeConfig
 from engine.model.bundle import Bundle
 from engine.model.heads import load_head
 from engine.model.onnx_model import OnnxDecoder
-from engine.spec.proposers.base import ProposerContext, SharedKvSlice
-from engine.spec.proposers.eagle3 import Eagle3Proposer
-from engine.spec.proposers.mtp import MtpProposer
-from engine.spec.proposers.shared_kv import SharedKvProposer
+from engine.speculative.proposers.base import ProposerContext, SharedKvSlice
+from engine.speculative.proposers.eagle3 import Eagle3Proposer
+from engine.speculative.proposers.mtp import MtpProposer
+from engine.speculative.proposers.shared_kv import SharedKvProposer
 
 from .build_tiny_bundles import SPECULATORS_AUX
 from .tiny_eagle3 import eagle3_reference_chain
@@ -83,7 +83,7 @@ def _context(bundle_dir, tokens, width, needs_kv_layers=None) -> ProposerContext
     slices = None
     if needs_kv_layers:
         slices = tuple(SharedKvSlice(group, layer, *out.presents[layer]) for group, layer in needs_kv_layers.items())
-    return ProposerContext(width=width, context_tokens=list(tokens), options=GenerationOptions(),
+    return ProposerContext(num_drafts=width - 1, context_tokens=list(tokens), options=GenerationOptions(),
                            target_hidden=out.extras["hidden_states"][0, -1], target_hidden_layers=layers,
                            shared_kv=slices)
 

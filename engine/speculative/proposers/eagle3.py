@@ -1,4 +1,4 @@
-"""EAGLE-3 head proposer, as the seed's ``Eagle3Proposer``: target low|mid|high hidden
+"""EAGLE-3 head proposer, ported from the Rust engine's ``Eagle3Proposer``: target low|mid|high hidden
 states fused, a recycled hidden state threaded step to step, a fresh state every pass
 (its own KV lives only within one ``propose_batch``, so nothing is kept between rounds),
 and an optional reduced draft vocabulary (``d2t``).
@@ -18,8 +18,11 @@ from typing import Sequence
 import numpy as np
 
 from engine.errors import InvalidRequestError, ModelLoadError
+from engine.model.bundle import Bundle
 from engine.model.heads import HeadModel
-from engine.spec.proposers.base import Proposal, ProposerContext, StatelessProposer
+from engine.speculative.proposers.base import Needs, Proposal, ProposerContext, StatelessProposer
+from engine.speculative.proposers.kind import HeadKind, LoadedProposer
+from engine.speculative.rounds import Anchor
 
 
 class Eagle3Proposer(StatelessProposer):
@@ -58,7 +61,7 @@ class Eagle3Proposer(StatelessProposer):
             if own.size != size:
                 raise InvalidRequestError(f"EAGLE-3 recycled target hidden length {own.size} != hidden {size}")
             recycled.append(own.ravel())
-        batch, steps = len(contexts), max(c.max_drafts for c in contexts)
+        batch, steps = len(contexts), max(c.num_drafts for c in contexts)
         fused_in = np.stack(fused).reshape(batch, 1, 3 * size)
         recycled_in = np.stack(recycled).reshape(batch, 1, size)
         published = self.chain == "fused_first_step"
@@ -80,4 +83,18 @@ class Eagle3Proposer(StatelessProposer):
             previous = [self.to_target_id(int(t)) for t in np.argmax(logits[:, -1], axis=-1)]
             for row, token in zip(drafted, previous):
                 row.append(token)
-        return [Proposal(row[: c.max_drafts]) for row, c in zip(drafted, contexts)]
+        return [Proposal(row[: c.num_drafts]) for row, c in zip(drafted, contexts)]
+
+
+class Eagle3Kind(HeadKind):
+    mode, deployment = "eagle3", "Eagle3Proposer"
+    description = "an EAGLE-3 head fed low/mid/high target hidden states"
+    proposer = Eagle3Proposer
+
+    def head_needs(self, bundle: Bundle, config: dict, wiring: dict) -> Needs:
+        """The final hidden state and the three target layers the head fuses."""
+        return Needs(final_hidden=bundle.final_hidden_output, layer_hiddens=tuple(wiring.get("fused_hidden", ())))
+
+    def calibration_anchor(self, loaded: LoadedProposer, kv_len: int) -> Anchor:
+        hidden = np.zeros(loaded.model.hidden_size, np.float32)
+        return Anchor(hidden, (hidden,) * 3)

@@ -26,11 +26,12 @@ import numpy as np
 
 from engine.model.cached_decoder import CachedDecoder
 from engine.options import GenerationOptions
-from engine.spec.proposers.base import NO_NEEDS, AcceptContext, Needs, Proposer
-from engine.spec.proposers.shared_kv import shared_kv_slices
-from engine.spec.rounds import Anchor, commit_outcome, draft_width, proposer_context, record_round, verify_on_target
-from engine.spec.sequence import SequenceState
-from engine.spec.stats import SpeculativeStats
+from engine.speculative.proposers.base import NO_NEEDS, AcceptContext, Needs, Proposer
+from engine.speculative.proposers.shared_kv import shared_kv_slices
+from engine.speculative.rounds import (Anchor, commit_outcome, drafts_allowed, proposer_context, record_round,
+                                       verify_on_target)
+from engine.speculative.sequence import SequenceState
+from engine.speculative.stats import SpeculativeStats
 
 _ids = itertools.count()
 
@@ -52,16 +53,16 @@ def speculative_decode(target: CachedDecoder, prompt_ids: list[int], options: Ge
                                    state.rules)
         commit_outcome(state, outcome)                                # the first token
         while not state.finished:
-            width = draft_width(state, num_drafts)
+            most = drafts_allowed(state, num_drafts)
             drafts, probs = [], None
-            if proposer is not None and width > 1:                    # 1. propose
+            if proposer is not None and most > 0:                     # 1. propose
                 anchor = outcome.anchor
                 if needs.shared_kv_layers:
                     anchor = Anchor(anchor.final, anchor.layers, shared_kv_slices(target.cache, seq,
                                                                                   needs.shared_kv_layers))
                 proposal = proposer.propose(
-                    proposer_context(width, state.tokens, options, anchor, drafter_rng, state.rules))
-                drafts = [int(t) for t in proposal.tokens[: width - 1]]
+                    proposer_context(most, state.tokens, options, anchor, drafter_rng, state.rules))
+                drafts = [int(t) for t in proposal.tokens[:most]]
                 probs = None if proposal.probs is None else proposal.probs[: len(drafts)]
             pending = len(state.tokens) - 1                           # 2. one target pass
             out = target.feed(seq, [state.tokens[-1], *drafts], pending)

@@ -10,9 +10,9 @@ decoding commits them.
 
 ``verify_on_target`` is the only code that reads logits; it runs next to the KV (in
 ``sched/target_worker.py``) and returns a small ``RoundOutcome`` -- exactly what a remote
-target sends back. ``draft_width``, ``proposer_context``, ``commit_outcome`` and
+target sends back. ``drafts_allowed``, ``proposer_context``, ``commit_outcome`` and
 ``record_round`` are used by the scheduler (``sched/``) and by the one-page reference
-loop (``spec/reference.py``) alike.
+loop (``speculative/reference.py``) alike.
 """
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ import numpy as np
 from engine.errors import EngineError
 from engine.model.cached_decoder import CachedDecoder, SequenceOutput
 from engine.options import GenerationOptions
-from engine.spec.proposers.base import Needs, ProposerContext, SharedKvSlice
-from engine.spec.sampling import SequenceRules, TokenLogprob, token_logprob, token_logprobs
-from engine.spec.sequence import SequenceState
-from engine.spec.stats import SpeculativeStats
-from engine.spec.verify import verify
+from engine.speculative.proposers.base import Needs, ProposerContext, SharedKvSlice
+from engine.speculative.sampling import SequenceRules, TokenLogprob, token_logprob, token_logprobs
+from engine.speculative.sequence import SequenceState
+from engine.speculative.stats import SpeculativeStats
+from engine.speculative.verify import verify
 
 
 class NoProgressError(EngineError):
@@ -50,17 +50,23 @@ class Anchor:
         return cls(final, layers)
 
 
-def draft_width(state: SequenceState, num_drafts: int) -> int:
-    """Most tokens the next round may commit (drafts + 1): never past max_new_tokens or
-    the context limit, so a verify pass never writes KV the sequence cannot keep."""
-    return min(num_drafts + 1, state.options.max_new_tokens - len(state.generated),
-               state.max_context - len(state.tokens))
+def tokens_left(state: SequenceState) -> int:
+    """Most tokens the sequence may still commit: never past max_new_tokens or the
+    context limit (at least 1 until it finishes)."""
+    return min(state.options.max_new_tokens - len(state.generated), state.max_context - len(state.tokens))
 
 
-def proposer_context(width: int, tokens: list[int], options: GenerationOptions, anchor: Anchor,
+def drafts_allowed(state: SequenceState, num_drafts: int) -> int:
+    """Most drafts the next round may verify, of ``num_drafts``: a round commits its
+    accepted drafts and one token more, so never past ``tokens_left``, and a verify pass
+    never writes KV the sequence cannot keep."""
+    return max(0, min(num_drafts, tokens_left(state) - 1))
+
+
+def proposer_context(num_drafts: int, tokens: list[int], options: GenerationOptions, anchor: Anchor,
                      rng: np.random.Generator | None, rules: SequenceRules | None = None) -> ProposerContext:
     """What a proposer sees, built the same way by every caller."""
-    return ProposerContext(width=width, context_tokens=tokens, options=options, target_hidden=anchor.final,
+    return ProposerContext(num_drafts=num_drafts, context_tokens=tokens, options=options, target_hidden=anchor.final,
                            target_hidden_layers=anchor.layers, shared_kv=anchor.shared_kv, rng=rng, rules=rules)
 
 

@@ -1,19 +1,20 @@
-"""Draft-model proposer: a small LM with its own paged KV cache, as the seed's
-``DraftModelProposer``. Before proposing it aligns its cache to the target's committed
+"""Draft-model proposer: a small LM with its own paged KV cache, ported from the Rust
+engine's ``DraftModelProposer``. Before proposing it aligns its cache to the target's committed
 prefix (rewind to the common prefix, feed what is missing); after each round it rewinds
 to the common prefix again.
 
 Every sequence has its own instance (its draft KV), but the instances of one worker
 share one draft model and its cache, so ``propose_batch`` drafts for all of them with one
 batched run per step: the alignment of every sequence in one call (or a few, below),
-then one call per draft position for the sequences still drafting. One by one, a round at 16 streams ran
-32 draft-model calls of ~0.3 ms each (drafting was dearer than plain decoding there);
-batched, as many calls as the longest sequence's drafts.
+then one call per draft position for the sequences still drafting. One by one, a round
+would make a call per sequence and draft, each paying a call's fixed cost, which at a
+large batch makes drafting dearer than plain decoding; batched, it makes as many calls
+as the longest sequence's drafts.
 
 A batched call pads every sequence to the one feeding most, and every fed row costs the
-draft's LM head: one sequence catching up 32 tokens in a call with 15 aligning 2 made it
-10.7 ms against 4.2 ms run apart. So the alignment runs in groups of similar lengths
-(``align_groups``).
+draft's LM head: one sequence catching up a long lag in a call with many aligning two
+tokens would make all of them pay for its lag. So the alignment runs in groups of
+similar lengths (``align_groups``).
 """
 from __future__ import annotations
 
@@ -22,10 +23,14 @@ from typing import Sequence
 
 import numpy as np
 
-from engine.model.cached_decoder import CachedDecoder, FeedRequest
+from engine.config import EngineConfig
+from engine.errors import ModelLoadError
 from engine.kv.paged_cache import KVCacheCapacityError
-from engine.spec.sampling import processed_logits, sample, token_distribution
-from engine.spec.proposers.base import AcceptContext, Proposal, ProposerContext
+from engine.model.bundle import Bundle
+from engine.model.cached_decoder import CachedDecoder, FeedRequest
+from engine.speculative.proposers.base import AcceptContext, Proposal, ProposerContext
+from engine.speculative.proposers.kind import LoadedProposer, ProposerKind
+from engine.speculative.sampling import processed_logits, sample, token_distribution
 
 _sequence_ids = itertools.count()
 
@@ -66,7 +71,7 @@ class DraftModelProposer:
         prefixes = [list(c.context_tokens) for c in contexts]
         tokens: list[list[int]] = [[] for _ in contexts]
         probs: list[list[np.ndarray]] = [[] for _ in contexts]
-        aligned = self._align(owners, prefixes, [i for i, c in enumerate(contexts) if c.max_drafts > 0])
+        aligned = self._align(owners, prefixes, [i for i, c in enumerate(contexts) if c.num_drafts > 0])
         drafting, logits = list(aligned), list(aligned.values())
         step = 0
         while drafting:
@@ -77,7 +82,7 @@ class DraftModelProposer:
                 if q is not None:
                     probs[i].append(q)
             step += 1
-            drafting = [i for i in drafting if contexts[i].max_drafts > step]
+            drafting = [i for i in drafting if contexts[i].num_drafts > step]
             if not drafting:
                 break
             try:
@@ -131,8 +136,8 @@ class DraftModelProposer:
             self.draft.cache.free(self.seq_id)
 
 
-ALIGN_CALL_ROWS = 20  # a draft-model call's fixed cost in fed rows' worth (here ~0.3 ms a call,
-                     # ~0.015 ms a row at batch 16)
+ALIGN_CALL_ROWS = 20  # a draft-model call's fixed cost in fed rows' worth, as the bundled draft model
+                     # times them at a large batch (docs/models.md)
 
 
 def align_groups(lengths: dict[int, int]) -> list[list[int]]:
@@ -162,3 +167,22 @@ def _choose(logits: np.ndarray, prefix: list[int], context: ProposerContext) -> 
         return int(np.argmax(processed_logits(logits, prefix, options, context.rules))), None
     q = token_distribution(logits, prefix, options, context.rules)
     return sample(q, context.rng), q
+
+
+class DraftModelKind(ProposerKind):
+    mode, deployment = "draft_model", "DraftModelProposer"
+    description = "a small LM with its own paged KV cache"
+
+    def provided_by(self, bundle: Bundle | None) -> bool:
+        return bundle is not None and bundle.has_draft()
+
+    def load(self, bundle: Bundle, config: EngineConfig, target_vocab: int) -> LoadedProposer:
+        # The draft keeps its full context: it is re-aligned to the target every round.
+        draft_config = config.model_copy(update={"sliding_window": None, "sink_tokens": 0,
+                                                 "intra_op_threads": config.proposer_threads,
+                                                 "in_place_threads": None})
+        draft = CachedDecoder(bundle.draft_dir(), draft_config)
+        if draft.decoder.vocab_size != target_vocab:
+            raise ModelLoadError(f"draft vocab {draft.decoder.vocab_size} != target vocab {target_vocab}: a draft "
+                                 "must share the target's tokenizer")
+        return LoadedProposer(self.mode, lambda: DraftModelProposer(draft), draft)

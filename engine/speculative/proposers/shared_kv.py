@@ -1,11 +1,11 @@
-"""Shared-KV assistant proposer (Gemma-4 ``*-assistant`` style), as the seed's
-``SharedKvProposer``: no KV cache of its own; it reads per-group slices of the target's
+"""Shared-KV assistant proposer (Gemma-4 ``*-assistant`` style), ported from the Rust
+engine's ``SharedKvProposer``: no KV cache of its own; it reads per-group slices of the target's
 paged KV (each from the one target layer bound to the group, with that layer's own
 head count and head dim), holds its position constant, and threads its
 ``projected_state``.
 
 Two ways to start the chain, named by the head's ``config.json`` (``draft_feed``):
-- ``bootstrap`` (the seed's, and the bundled assistant's): a first step on the last
+- ``bootstrap`` (the Rust engine's, and the bundled assistant's): a first step on the last
   token in the target KV paired with the target's hidden state there, at that token's
   position; its draft is discarded, and the pending token follows with the assistant's
   own state;
@@ -21,9 +21,12 @@ from typing import Sequence
 import numpy as np
 
 from engine.errors import InvalidRequestError, ModelLoadError
-from engine.model.heads import HeadModel
 from engine.kv.paged_cache import PagedKVCache
-from engine.spec.proposers.base import Proposal, ProposerContext, SharedKvSlice, StatelessProposer
+from engine.model.bundle import Bundle
+from engine.model.heads import HeadModel
+from engine.speculative.proposers.base import Needs, Proposal, ProposerContext, SharedKvSlice, StatelessProposer
+from engine.speculative.proposers.kind import HeadKind, LoadedProposer
+from engine.speculative.rounds import Anchor
 
 
 def shared_kv_slices(cache: PagedKVCache, seq_id, groups: dict[str, int]) -> tuple[SharedKvSlice, ...]:
@@ -74,7 +77,7 @@ class SharedKvProposer(StatelessProposer):
             if np.asarray(context.target_hidden).size != size:
                 raise InvalidRequestError(f"target_hidden length {np.asarray(context.target_hidden).size} != "
                                           f"shared-KV proposer hidden {size}")
-        batch, steps = len(contexts), max(c.max_drafts for c in contexts)
+        batch, steps = len(contexts), max(c.num_drafts for c in contexts)
         if steps == 0:
             return [Proposal([]) for _ in contexts]
         lengths = [c.shared_kv[0].kv_len for c in contexts]
@@ -108,4 +111,23 @@ class SharedKvProposer(StatelessProposer):
                 last = [int(t) for t in np.argmax(logits[:, -1], axis=-1)]
                 for row, token in zip(drafted, last):
                     row.append(token)
-        return [Proposal(row[: c.max_drafts]) for row, c in zip(drafted, contexts)]
+        return [Proposal(row[: c.num_drafts]) for row, c in zip(drafted, contexts)]
+
+
+class SharedKvKind(HeadKind):
+    mode, deployment = "shared_kv", "SharedKvProposer"
+    description = "a Gemma-4-style assistant reading the target's KV cache"
+    proposer = SharedKvProposer
+
+    def head_needs(self, bundle: Bundle, config: dict, wiring: dict) -> Needs:
+        """The final hidden state and the target KV layer bound to each of the head's groups."""
+        return Needs(final_hidden=bundle.final_hidden_output, shared_kv_layers=dict(config.get("shared_kv_groups", {})))
+
+    def calibration_anchor(self, loaded: LoadedProposer, kv_len: int) -> Anchor:
+        head: HeadModel = loaded.model
+        slices = []
+        for group, layer in head.config.get("shared_kv_groups", {}).items():
+            _, heads, _, dim = head.input_shape(f"shared_kv.{group}.key")
+            kv = np.zeros((1, int(heads), kv_len, int(dim)), np.float32)
+            slices.append(SharedKvSlice(group, layer, kv, kv))
+        return Anchor(np.zeros(head.hidden_size, np.float32), None, tuple(slices))

@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from engine.options import GenerationOptions
-from engine.spec.sampling import SequenceRules, processed_logits, sample, token_distribution
+from engine.speculative.sampling import SequenceRules, processed_logits, sample, token_distribution
 
 
 @dataclass(frozen=True)

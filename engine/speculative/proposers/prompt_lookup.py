@@ -1,7 +1,9 @@
-"""Model-free prompt lookup (n-gram copy), as the seed's ``NgramProposer``."""
+"""Model-free prompt lookup (n-gram copy), ported from the Rust engine's ``NgramProposer``."""
 from __future__ import annotations
 
-from engine.spec.proposers.base import Proposal, ProposerContext, StatelessProposer
+from engine.config import SpeculativeConfig
+from engine.speculative.proposers.base import Proposal, Proposer, ProposerContext, StatelessProposer
+from engine.speculative.proposers.kind import ProposerKind
 
 
 class PromptLookupProposer(StatelessProposer):
@@ -18,9 +20,9 @@ class PromptLookupProposer(StatelessProposer):
         self.ngram, self.max_tokens = ngram, max_tokens
 
     def propose(self, context: ProposerContext) -> Proposal:
-        return Proposal(self.lookup(context.context_tokens, context.max_drafts))
+        return Proposal(self.lookup(context.context_tokens, context.num_drafts))
 
-    def lookup(self, tokens, width: int) -> list[int]:
+    def lookup(self, tokens, num_drafts: int) -> list[int]:
         tokens = list(tokens)
         n = self.ngram
         if len(tokens) <= n:
@@ -30,6 +32,14 @@ class PromptLookupProposer(StatelessProposer):
         for start in range(suffix_start - 1, -1, -1):
             if tokens[start : start + n] == suffix:
                 continuation = start + n
-                length = min(width, self.max_tokens, len(tokens) - continuation)
+                length = min(num_drafts, self.max_tokens, len(tokens) - continuation)
                 return tokens[continuation : continuation + length]
         return []
+
+
+class PromptLookupKind(ProposerKind):
+    mode = "prompt_lookup"
+    description = "n-gram copy from the context (no model)"
+
+    def local_proposer(self, speculative: SpeculativeConfig, num_drafts: int) -> Proposer:
+        return PromptLookupProposer(speculative.prompt_lookup_ngram, num_drafts)

@@ -1,6 +1,7 @@
 """The proposer protocol: every source of draft tokens looks the same to the round loop.
 
-Mirrors the seed's ``SpeculativeProposer``: ``propose`` drafts tokens for one verify
+Mirrors the ``SpeculativeProposer`` trait of the Rust engine specserve reimplements
+(every proposer here is a port of one of its proposers): ``propose`` drafts tokens for one verify
 pass, ``accept`` hears what the target committed, ``rewind`` re-aligns private state to
 the target's committed tokens, ``name`` identifies the mode. ``close`` releases
 per-request resources (a draft model's KV blocks). ``propose_batch`` drafts for several
@@ -10,8 +11,9 @@ own instance, its ``owners``), the others loop.
 
 Token convention (one target pass per round): ``context_tokens`` are the committed
 tokens; the last of them (the *pending* token, the target's own choice) is not in the
-target's KV cache yet, and is what the seed calls the guaranteed token. Proposals hold
-only the drafts that follow it, at most ``width - 1`` of them.
+target's KV cache yet: the *guaranteed* token, which the round commits whatever the
+drafts (``ProposerContext.guaranteed_token``). Proposals hold
+only the drafts that follow it, at most ``num_drafts`` of them.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from typing import Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from engine.options import GenerationOptions
-from engine.spec.sampling import SequenceRules
+from engine.speculative.sampling import SequenceRules
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,7 @@ class SharedKvSlice:
 
 @dataclass(frozen=True)
 class ProposerContext:
-    width: int                                   # most tokens this round may commit (drafts + 1)
+    num_drafts: int                              # most drafts this round may verify
     context_tokens: Sequence[int]                # prompt + generated; last = pending/guaranteed token
     options: GenerationOptions
     target_hidden: np.ndarray | None = None      # [H] final hidden at the last position in the target KV
@@ -62,8 +64,9 @@ class ProposerContext:
         return int(self.context_tokens[-1])
 
     @property
-    def max_drafts(self) -> int:
-        return max(0, self.width - 1)
+    def width(self) -> int:
+        """Most tokens this round may commit: its drafts and the target's own token."""
+        return self.num_drafts + 1
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
-"""Multi-token-prediction head proposer (Qwen3.5 / DeepSeek MTP style), as the seed's
-``MtpProposer``: target final hidden + target embedding of the guaranteed token in,
+"""Multi-token-prediction head proposer (Qwen3.5 / DeepSeek MTP style), ported from the
+Rust engine's ``MtpProposer``: target final hidden + target embedding of the guaranteed token in,
 ``mtp_hidden`` out, read through the target's LM head; the hidden state is threaded.
 
-It restarts every pass from a fresh target anchor (the seed's "hidden threaded" mode),
-so it keeps nothing between rounds and drafts for a whole batch in one run per step.
-The seed's "cached" mode, which keeps the head's KV across rounds, is not implemented:
+It restarts every pass from a fresh target anchor (the Rust engine's "hidden threaded"
+mode), so it keeps nothing between rounds and drafts for a whole batch in one run per
+step. That engine's "cached" mode, which keeps the head's KV across rounds, is not implemented:
 the anchor already carries the target's state at the last accepted position."""
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import numpy as np
 
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.model.heads import HeadModel
-from engine.spec.proposers.base import Proposal, ProposerContext, StatelessProposer
+from engine.speculative.proposers.base import Proposal, ProposerContext, StatelessProposer
+from engine.speculative.proposers.kind import HeadKind
 
 
 class MtpProposer(StatelessProposer):
@@ -44,7 +45,7 @@ class MtpProposer(StatelessProposer):
             if np.asarray(context.target_hidden).size != size:
                 raise InvalidRequestError(f"target_hidden length {np.asarray(context.target_hidden).size} != "
                                           f"MTP hidden {size}")
-        batch, steps = len(contexts), max(c.max_drafts for c in contexts)
+        batch, steps = len(contexts), max(c.num_drafts for c in contexts)
         hidden = np.stack([np.asarray(c.target_hidden, np.float32).ravel() for c in contexts]).reshape(batch, 1, size)
         past_key, past_value = (np.repeat(self._empty, batch, axis=0),) * 2
         previous = [c.guaranteed_token for c in contexts]
@@ -64,4 +65,10 @@ class MtpProposer(StatelessProposer):
                 row.append(token)
             if "mtp_hidden" in named:
                 hidden = named["mtp_hidden"]  # thread the head's own hidden state to the next step
-        return [Proposal(row[: c.max_drafts]) for row, c in zip(drafted, contexts)]
+        return [Proposal(row[: c.num_drafts]) for row, c in zip(drafted, contexts)]
+
+
+class MtpKind(HeadKind):
+    mode, deployment = "mtp", "MtpProposer"
+    description = "a multi-token-prediction head read through the target's LM head"
+    proposer = MtpProposer

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
 from engine.options import GenerationOptions
-from engine.spec.sampling import SequenceRules, TokenLogprob
+from engine.speculative.sampling import SequenceRules, TokenLogprob
 from engine.model.tokenizer import TextTokenizer
 
 FinishReason = Literal["stop", "length"]

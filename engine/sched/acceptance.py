@@ -1,0 +1,71 @@
+"""Live acceptance of each draft position, per sequence and per mode: what the
+draft-length planner (``sched.draft_length``) expects a draft to earn.
+
+A position is judged only in rounds whose drafts before it were all accepted, so each
+estimate is conditional on reaching its position. A sequence with few rounds borrows
+its mode's average, and a mode with few rounds an optimistic prior, so that a new
+mode gets tried and one early rejection does not sink a position for good.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PRIOR_ACCEPTANCE = 0.7   # a mode's acceptance before it has any rounds: optimistic, so it gets tried
+MODE_PRIOR_WEIGHT = 4.0  # rounds' worth of weight that prior keeps in a mode's average: one early
+                         # rejection must not sink a position the mode then never drafts again
+PRIOR_WEIGHT = 8.0       # rounds' worth of weight the mode average keeps in a sequence's estimate
+MODE_DECAY = 0.995       # per recorded round: a mode's average follows the current traffic
+
+
+@dataclass
+class _Counts:
+    tested: list[float] = field(default_factory=list)   # rounds that reached position i (drafts < i all accepted)
+    passed: list[float] = field(default_factory=list)   # ... and accepted it
+
+    def record(self, num_drafts: int, accepted: int, decay: float = 1.0) -> None:
+        if decay != 1.0:
+            self.tested = [t * decay for t in self.tested]
+            self.passed = [p * decay for p in self.passed]
+        grow = num_drafts - len(self.tested)
+        if grow > 0:
+            self.tested.extend([0.0] * grow)
+            self.passed.extend([0.0] * grow)
+        for i in range(min(num_drafts, accepted + 1)):  # positions the target actually judged
+            self.tested[i] += 1
+            self.passed[i] += i < accepted
+
+
+_NO_COUNTS = _Counts()  # read only: what a sequence or mode without rounds has
+
+
+class AcceptanceTracker:
+    """Per-sequence and per-mode acceptance of each draft position, conditional on the
+    drafts before it being accepted (the only way a position is ever judged)."""
+
+    def __init__(self) -> None:
+        self._modes: dict[str, _Counts] = {}
+        self._seqs: dict[object, _Counts] = {}
+
+    def record(self, seq_id, mode: str, num_drafts: int, accepted: int) -> None:
+        if num_drafts <= 0:
+            return
+        self._modes.setdefault(mode, _Counts()).record(num_drafts, accepted, MODE_DECAY)
+        self._seqs.setdefault(seq_id, _Counts()).record(num_drafts, accepted)
+
+    def forget(self, seq_id) -> None:
+        self._seqs.pop(seq_id, None)
+
+    def alphas(self, seq_id, mode: str, max_num_drafts: int) -> list[float]:
+        """Each position's estimate: the sequence's own counts, shrunk toward its mode's
+        average (itself shrunk toward ``PRIOR_ACCEPTANCE``), each ``(passed + weight *
+        prior) / (tested + weight)``."""
+        mode_counts, own = self._modes.get(mode, _NO_COUNTS), self._seqs.get(seq_id, _NO_COUNTS)
+        mode_tested, mode_passed, tested, passed = mode_counts.tested, mode_counts.passed, own.tested, own.passed
+        known_mode, known = len(mode_tested), len(tested)
+        rates = []
+        for i in range(max_num_drafts):
+            prior = (((mode_passed[i] if i < known_mode else 0.0) + MODE_PRIOR_WEIGHT * PRIOR_ACCEPTANCE)
+                     / ((mode_tested[i] if i < known_mode else 0.0) + MODE_PRIOR_WEIGHT))
+            rates.append(((passed[i] if i < known else 0.0) + PRIOR_WEIGHT * prior)
+                         / ((tested[i] if i < known else 0.0) + PRIOR_WEIGHT))
+        return rates

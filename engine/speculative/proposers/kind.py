@@ -1,0 +1,103 @@
+"""What a proposer kind is to the rest of specserve: how its proposers are made, what it
+takes from the target, how its drafts are timed, and which Serve deployment hosts it.
+
+Each kind's own class lives beside its proposer (``PromptLookupKind`` in
+``prompt_lookup.py``, ``DraftModelKind`` in ``draft_model.py``, the heads' kinds in
+``mtp.py``, ``eagle3.py`` and ``shared_kv.py``); ``registry.py`` maps mode names to them.
+The defaults here are a model-free kind's: no model, nothing taken from the target.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+import numpy as np
+
+from engine.config import EngineConfig, SpeculativeConfig
+from engine.errors import ModelLoadError
+from engine.model.bundle import Bundle
+from engine.model.cached_decoder import CachedDecoder
+from engine.model.heads import HeadModel, load_head
+from engine.speculative.proposers.base import NO_NEEDS, Needs, Proposer
+from engine.speculative.rounds import Anchor
+
+
+@dataclass
+class LoadedProposer:
+    """A model-based kind, loaded: a factory of per-sequence proposers sharing one model."""
+
+    mode: str
+    new_proposer: Callable[[], Proposer]
+    model: CachedDecoder | HeadModel
+
+    @property
+    def vocab_size(self) -> int:
+        """The target vocabulary its drafts come from."""
+        model = self.model
+        return model.decoder.vocab_size if isinstance(model, CachedDecoder) else model.embedder.table.shape[0]
+
+
+class ProposerKind:
+    mode: ClassVar[str]
+    deployment: ClassVar[str | None] = None  # the Serve deployment hosting it; None = runs inside the coordinator
+    description: ClassVar[str]
+
+    @property
+    def in_coordinator(self) -> bool:
+        """Model-free kinds need only the committed tokens the coordinator holds: a hop
+        to another process would cost more than the proposal."""
+        return self.deployment is None
+
+    def provided_by(self, bundle: Bundle | None) -> bool:
+        """Whether ``bundle`` has what this kind needs (a model-free kind needs nothing)."""
+        return self.in_coordinator
+
+    def needs(self, bundle: Bundle, target_outputs: set[str] | None = None) -> Needs:
+        """What this kind takes from the target, checked against the target's outputs."""
+        return NO_NEEDS
+
+    def local_proposer(self, speculative: SpeculativeConfig, num_drafts: int) -> Proposer:
+        """A per-request proposer of a kind that runs inside the coordinator."""
+        raise ValueError(f"'{self.mode}' does not run inside the coordinator")
+
+    def calibration_anchor(self, loaded: LoadedProposer, kv_len: int) -> Anchor:
+        """An anchor of the right shapes (zeros) for timing this kind's drafts: what a
+        draft costs does not depend on the values it reads."""
+        return Anchor()
+
+    def load(self, bundle: Bundle, config: EngineConfig, target_vocab: int) -> LoadedProposer:
+        """Load this kind's model from the bundle (model-based kinds only)."""
+        raise ModelLoadError(f"'{self.mode}' has no model to load")
+
+
+class HeadKind(ProposerKind):
+    """A head: a small graph that restarts from the target's anchor (its hidden states)
+    every pass, so it keeps nothing between rounds, a batched run steps every drafting
+    sequence to the call's longest draft count, and there is nothing to catch up."""
+
+    proposer: ClassVar[type]  # the proposer class, made with the loaded head
+
+    def provided_by(self, bundle: Bundle | None) -> bool:
+        return bundle is not None and bundle.has_head(self.mode)
+
+    def needs(self, bundle: Bundle, target_outputs: set[str] | None = None) -> Needs:
+        config = bundle.head_config(self.mode)
+        wiring = config.get("target_hidden_inputs", {})
+        names = {n for group in wiring.values() for n in group}
+        if target_outputs is not None and names - target_outputs:
+            raise ModelLoadError(f"{self.mode} head needs target outputs {sorted(names - target_outputs)}, which the "
+                                 f"target does not produce (it has {sorted(target_outputs)})")
+        return self.head_needs(bundle, config, wiring)
+
+    def head_needs(self, bundle: Bundle, config: dict, wiring: dict) -> Needs:
+        """What the head reads besides the target's final hidden state: nothing, here."""
+        return Needs(final_hidden=bundle.final_hidden_output)
+
+    def calibration_anchor(self, loaded: LoadedProposer, kv_len: int) -> Anchor:
+        return Anchor(np.zeros(loaded.model.hidden_size, np.float32))
+
+    def load(self, bundle: Bundle, config: EngineConfig, target_vocab: int) -> LoadedProposer:
+        head = load_head(self.mode, bundle.head_dir(self.mode), target_vocab, bundle.target_hidden_size,
+                         config.device, config.proposer_threads, config.int8_heads)
+        make = self.proposer
+        return LoadedProposer(self.mode, lambda: make(head), head)
