@@ -87,7 +87,7 @@ def server_runner(base_url: str, mode: str, new_tokens: int):
     client = httpx.Client(timeout=300, limits=httpx.Limits(max_connections=64))
 
     def run(prompt: str) -> StreamResult:
-        body = {"model": "specserve", "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
+        body = {"prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True, "speculative_mode": mode, "return_token_ids": True}
         ids, stamps, rounds = [], [], 0
         started = time.perf_counter()

@@ -106,7 +106,7 @@ def check_loopback(url: str) -> None:
 def stream_one(client: httpx.Client, url: str, prompt: str, prompt_index: int, mode: str,
                max_tokens: int) -> RequestRecord:
     """One greedy streaming completion, timed per token and per arrival; failures land in ``error``."""
-    body = {"model": "specserve", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "speculative_mode": mode, "return_token_ids": True}
     record = RequestRecord(mode, prompt_index, time.perf_counter())
     try:

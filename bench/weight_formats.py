@@ -1,7 +1,7 @@
 """How fast each weight format of a converted GGUF runs the calls the engine makes, and
 how far its logits are from float32's, measured in one run, interleaved.
 
-    .venv/bin/python bench/weight_formats.py [--gguf FILE] [--past 256] [--rounds 7]
+    .venv/bin/python bench/weight_formats.py [--gguf FILE] [--past 256] [--rounds 7] [--record DIR]
 
 Candidates (``modelbuild.from_gguf.weights``): ``fp32`` (every matrix dequantised),
 ``q4_1`` (the file's Q4_1 blocks carried over exactly: ``MatMulNBits`` + block sums),
@@ -27,6 +27,7 @@ import onnxruntime as ort
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import record  # noqa: E402
 from modelbuild.default_model import cached_gguf  # noqa: E402
 from modelbuild.from_gguf.convert import convert_gguf  # noqa: E402
 
@@ -41,6 +42,8 @@ class Graphs:
     def __init__(self, target: Path, threads: int, past: int) -> None:
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
+        # Eight sessions take turns here: one whose pool spun on after its run would slow the next.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.standard = ort.InferenceSession(str(target / "model.onnx"), options, providers=["CPUExecutionProvider"])
         self.twin = ort.InferenceSession(str(target / "model.inplace.onnx"), options, providers=["CPUExecutionProvider"])
         self.pasts = [i for i in self.standard.get_inputs() if i.name.startswith("past_key_values.")]
@@ -89,7 +92,13 @@ def main() -> None:
     parser.add_argument("--past", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
+    record.add_option(parser)
     args = parser.parse_args()
+    with record.recording(args.record, "weight_formats", model=args.gguf or cached_gguf()):
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     gguf = args.gguf or cached_gguf()
 
     with tempfile.TemporaryDirectory() as scratch:

@@ -127,3 +127,23 @@ def test_served_requests_for_a_mode_without_a_head_get_a_400_naming_it(served):
     assert response.status_code == 400
     error = response.json()["error"]
     assert "eagle3" in error["message"] and error["param"] == "speculative_mode"
+
+
+def test_the_convert_command_writes_a_bundle_from_a_gguf_that_the_engine_serves(tmp_path, default_engine):
+    """``python -m modelbuild.convert --gguf`` (no torch) on the default model's file, one
+    format throughout: the engine serves the bundle it writes, with target-only's tokens."""
+    import subprocess
+    import sys
+
+    from engine import Engine, EngineConfig, SpeculativeConfig
+    from modelbuild.default_model import cached_gguf
+
+    out = tmp_path / "bundle"
+    run = subprocess.run([sys.executable, "-m", "modelbuild.convert", "--gguf", str(cached_gguf()), "--out", str(out),
+                          "--step-format", "none"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert not (out / "target/model.inplace.step.onnx").exists()
+    options = GenerationOptions(max_new_tokens=12, temperature=0)
+    config = EngineConfig(device="cpu", intra_op_threads=2, speculative=SpeculativeConfig(load=()))
+    with Engine(out, config) as engine:
+        assert engine.chat(CAPITAL, options).token_ids == default_engine.chat(CAPITAL, options).token_ids

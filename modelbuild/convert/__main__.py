@@ -1,7 +1,11 @@
-"""Hugging Face checkpoints -> a specserve bundle (``manifest.json`` + ONNX graphs):
+"""Hugging Face checkpoints or a Llama GGUF -> a specserve bundle (``manifest.json`` + ONNX graphs):
 
     python -m modelbuild.convert --target HF_DIR --out BUNDLE \\
         [--eagle3 DIR] [--mtp DIR] [--assistant DIR] [--draft HF_DIR] [--aux-layers 2,16,29]
+    python -m modelbuild.convert --gguf FILE --out BUNDLE [--format fp32] [--step-format q4_1]
+
+A GGUF converts without torch (``modelbuild.from_gguf``: numpy, gguf, onnx), in
+specserve's own ``.venv``; the Hugging Face path needs the ``convert`` extra.
 
 Runs in ``.venv-convert`` (``bash scripts/install_convert.sh``) or wherever the
 ``convert`` extra is installed: mobius-onnx needs torch (install ``torch==2.13.0``, the
@@ -172,7 +176,9 @@ def _layers(text: str) -> tuple[int, ...]:
 def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("TQDM_DISABLE", "1")  # mobius prints a progress bar per tensor
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", type=Path, required=True, help="Hugging Face directory of the target")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--target", type=Path, help="Hugging Face directory of the target")
+    source.add_argument("--gguf", type=Path, help="a Llama GGUF file (llama.cpp's format): the target, no heads")
     parser.add_argument("--out", type=Path, required=True, help="new directory for the bundle")
     parser.add_argument("--eagle3", type=Path, help="EAGLE-3 head (SafeAILab or speculators layout)")
     parser.add_argument("--mtp", type=Path, help="Qwen3.5 / Qwen3.6 / Qwen3-Next MTP head (mtp.* keys)")
@@ -180,11 +186,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft", type=Path, help="a small draft LM sharing the target's tokenizer")
     parser.add_argument("--aux-layers", type=_layers, help="EAGLE-3 aux layers j (stream entering layer j), "
                         "when the head's config does not name them; default 2,N/2,N-3")
+    parser.add_argument("--format", default="fp32", help="--gguf: weight format of every call (fp32, q4_1, int8)")
+    parser.add_argument("--step-format", default="q4_1", help="--gguf: weight format of single-token calls at "
+                        "batch 1 ('none': the same as --format)")
     args = parser.parse_args(argv)
     if args.out.exists():
         raise SystemExit(f"{args.out} exists; choose a new directory")
+    if args.gguf and any((args.eagle3, args.mtp, args.assistant, args.draft)):
+        raise SystemExit("--gguf converts a target alone; heads come from Hugging Face checkpoints (--target)")
     try:
-        manifest = convert(args)
+        if args.gguf:
+            from ..from_gguf.convert import convert_gguf
+
+            manifest = convert_gguf(args.gguf, args.out, args.format,
+                                    step_format=None if args.step_format == "none" else args.step_format)
+        else:
+            manifest = convert(args)
     except BaseException:
         shutil.rmtree(args.out, ignore_errors=True)  # a half-written bundle must not look like a bundle
         raise
