@@ -37,11 +37,16 @@ def export_head_into(kind: str, trainer, bundle: Path, state: dict, args: argpar
     manifest = BundleManifest.load(bundle)
     outputs = manifest.models["target"].hidden_outputs
     final = [outputs.final]
+    groups: dict[str, int] = {}
     if kind == "eagle3":
         wiring = {"fused_hidden": [outputs.low, outputs.mid, outputs.high], "recycled_hidden": final}
         uses, extra = ["embed_tokens"], {"hidden_chain": "fused_every_step"}
-    else:  # mtp: read through the target's LM head, restricted to the draft vocabulary
+    elif kind == "mtp":  # read through the target's LM head, restricted to the draft vocabulary
         wiring, uses, extra = {"hidden_states": final}, ["embed_tokens", "lm_head"], {}
+    else:  # shared_kv
+        groups = dict(head.groups)
+        wiring, uses = {"inputs_embeds": final}, ["embed_tokens"]
+        extra = {"shared_kv_groups": groups, "draft_feed": "hf_assisted"}
     directory = bundle / "heads" / kind
     directory.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():  # the graph computes with the float16 weights it is shipped with
@@ -64,7 +69,8 @@ def export_head_into(kind: str, trainer, bundle: Path, state: dict, args: argpar
         tokens_seen=state["update"] * args.batch * args.steps, seconds=round(state["seconds"], 1))
     entry = HeadEntry(kind=kind, directory=f"heads/{kind}", onnx="model.onnx", weights=WEIGHTS_FILE,
                       config="config.json", parameters=sum(p.numel() for p in head.parameters()),
-                      target_hidden_inputs=wiring, draft_vocab_size=len(draft_ids), d2t="d2t.npy", uses_arrays=uses,
+                      target_hidden_inputs=wiring, shared_kv_groups=groups, draft_vocab_size=len(draft_ids),
+                      d2t="d2t.npy", uses_arrays=uses,
                       heldout_top1_agreement=state["heldout"]["top1_per_step"], training=record)
     manifest.model_copy(update={"heads": {**manifest.heads, kind: entry}}).save(bundle)
     print(f"{kind} head written to {directory} (onnxruntime vs torch max |d| = {difference:.1e})", flush=True)

@@ -40,6 +40,16 @@ class Features:
         self.end_of_row = ends  # one past the last row of each row's answer
         # Anchors: every row but an answer's last (which has no pending token after it).
         self.anchors = np.nonzero(np.arange(len(self.tokens)) + 1 < ends)[0]
+        # Where a row's position starts its sequence's KV rows: row r holds position
+        # (prompt_len - 1) + (r - first row), and that sequence's KV begins at kv_row.
+        self.kv_start = np.zeros(len(self.tokens), np.int64)
+        self.position = np.zeros(len(self.tokens), np.int64)
+        for seq in self.sequences:
+            rows = slice(seq["row"], seq["row"] + seq["rows"])
+            self.kv_start[rows] = seq["kv_row"]
+            self.position[rows] = seq["prompt_len"] - 1 + np.arange(seq["rows"])
+        self.kv_layers = tuple(index.get("kv_layers", ()))
+        self._kv = {layer: load(f"kv{layer}") for layer in self.kv_layers}
 
     def batch(self, anchors: np.ndarray, steps: int) -> ChainBatch:
         offsets = anchors[:, None] + 1 + np.arange(steps)[None]          # the row of step i's input token
@@ -48,6 +58,20 @@ class Features:
         return ChainBatch(np.asarray(self.fused[anchors], np.float32), np.asarray(self.final[anchors], np.float32),
                           np.asarray(self.tokens[rows], np.int64), np.asarray(self.top_ids[rows], np.int64),
                           np.asarray(self.top_logp[rows], np.float32), valid)
+
+    def context_kv(self, anchors: np.ndarray) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]:
+        """Per stored KV layer, the target's keys and values ``[B, heads, L, dim]`` at
+        positions 0..p of each anchor (right-padded to the longest), and the mask ``[B, L]``:
+        what a shared-KV assistant reads when the target has committed position p."""
+        lengths = self.position[anchors] + 1
+        longest = int(lengths.max())
+        mask = np.arange(longest)[None] < lengths[:, None]
+        rows = np.where(mask, self.kv_start[anchors][:, None] + np.arange(longest)[None], self.kv_start[anchors][:, None])
+        layers = []
+        for layer in self.kv_layers:
+            kv = np.asarray(self._kv[layer][rows], np.float32) * mask[..., None, None, None]  # [B, L, 2, heads, dim]
+            layers.append((kv[:, :, 0].transpose(0, 2, 1, 3).copy(), kv[:, :, 1].transpose(0, 2, 1, 3).copy()))
+        return layers, mask
 
     def token_counts(self, vocab: int) -> np.ndarray:
         return np.bincount(np.asarray(self.tokens), minlength=vocab)

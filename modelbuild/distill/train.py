@@ -5,12 +5,14 @@ state at the anchor, each later step the head's own output state), and every ste
 taught the target's next-token distribution (its top 16, renormalised over the draft
 vocabulary: soft cross-entropy, i.e. distillation).
 
-    .venv-convert/bin/python -m modelbuild.distill.train {eagle3,mtp} [--minutes 80] [--steps 6] [--export BUNDLE]
+    .venv-convert/bin/python -m modelbuild.distill.train {eagle3,mtp,shared_kv} [--minutes 80] [--steps 6] [--export BUNDLE]
 
 - ``eagle3``: target low|mid|high states fused on every step, the final state recycled
   first, logits over a reduced draft vocabulary of the 8192 ids the answers use most (``d2t``).
 - ``mtp``: target final state and the pending token's embedding, one decoder layer, read
   through the target's own (tied, frozen) LM head restricted to the same draft vocabulary.
+- ``shared_kv``: a Gemma-4-style assistant with no KV of its own, cross-attending to the
+  target's KV of a middle and the last layer, with its own LM head over the draft vocabulary.
 
 Resumes from ``.cache/distill/ckpt/<kind>.pt`` (written every ``--save-every`` updates); a
 run ends at ``--updates`` or after ``--minutes``, and a rerun goes on where it stopped.
@@ -27,7 +29,9 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from ..heads import Eagle3Head, MtpHead
+import dataclasses
+
+from ..heads import Eagle3Head, MtpHead, SharedKvAssistant
 from ..llama import LlamaShape
 from .features import ChainBatch, Features
 from .generate import DEFAULT_OUT
@@ -50,8 +54,9 @@ class Chains:
     """What every kind's unroll shares: the batch as tensors, the draft vocabulary, and
     each step's soft targets."""
 
-    def __init__(self, batch: ChainBatch, t2d: torch.Tensor) -> None:
+    def __init__(self, batch: ChainBatch, t2d: torch.Tensor, context: tuple | None = None) -> None:
         self.n, self.steps = batch.inputs.shape
+        self.context = context  # the target's KV up to each anchor, where the head reads it
         self.fused = torch.from_numpy(batch.fused)[:, None]
         self.final = torch.from_numpy(batch.final)[:, None]
         self.inputs = torch.from_numpy(batch.inputs)
@@ -129,7 +134,41 @@ class MtpTrainer(HeadTrainer):
         return out
 
 
-TRAINERS = {trainer.kind: trainer for trainer in (Eagle3Trainer, MtpTrainer)}
+SHARED_KV_GROUPS = {"middle": 14, "last": 29}  # extract.py's KV_LAYERS
+
+
+class SharedKvTrainer(HeadTrainer):
+    """The Gemma-4-style assistant in transformers' assisted-generation feed
+    (``hf_assisted``): step 0 pairs the pending token with the target state that predicted
+    it, later steps the head's own draft with its own ``projected_state``; every step at
+    the pending token's position, cross-attending to the target's KV of the two bound
+    layers up to the anchor."""
+
+    kind = "shared_kv"
+    needs_context = True
+
+    def build(self) -> torch.nn.Module:
+        return SharedKvAssistant(dataclasses.replace(self.shape, vocab_size=len(self.draft_ids)), SHARED_KV_GROUPS)
+
+    def unroll(self, chains: Chains):
+        (kv, mask) = chains.context
+        kv = [(torch.from_numpy(k), torch.from_numpy(v)) for k, v in kv]
+        bias = (~torch.from_numpy(mask)).float()[:, None, :] * torch.finfo(torch.float32).min  # [B, 1, L]
+        positions = torch.from_numpy(mask.sum(1, keepdims=True))  # the pending token's position, p + 1
+        state, out = chains.final, []
+        for step in range(chains.steps):
+            inputs = torch.cat([self.embed[chains.inputs[:, step]][:, None], state], -1)
+            logits, state = self.head(inputs, positions, bias, kv)
+            out.append((logits[:, 0], *chains.targets(step, len(self.draft_ids))))
+        return out
+
+
+TRAINERS = {trainer.kind: trainer for trainer in (Eagle3Trainer, MtpTrainer, SharedKvTrainer)}
+
+
+def chains_of(trainer: HeadTrainer, features: Features, anchors: np.ndarray, steps: int, t2d) -> Chains:
+    context = features.context_kv(anchors) if getattr(trainer, "needs_context", False) else None
+    return Chains(features.batch(anchors, steps), t2d, context)
 
 
 def loss_and_accuracy(results) -> tuple[torch.Tensor, list[float]]:
@@ -151,7 +190,7 @@ def evaluate(trainer: HeadTrainer, t2d, features: Features, steps: int, anchors:
     chosen = np.sort(rng.choice(features.anchors, min(anchors, len(features.anchors)), replace=False))
     hits = []
     for start in range(0, len(chosen), 256):
-        results = trainer.unroll(Chains(features.batch(chosen[start : start + 256], steps), t2d))
+        results = trainer.unroll(chains_of(trainer, features, chosen[start : start + 256], steps, t2d))
         hits.append(torch.stack([(lg.argmax(-1) == greedy) & (w > 0) for lg, _, w, greedy in results], 1))
     agree = torch.cat(hits).float()
     prefix = torch.cumprod(agree, 1)
@@ -211,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     head.train()
     while state["update"] < args.updates and time.perf_counter() - started < budget:
         t0 = time.perf_counter()
-        chains = Chains(train.batch(np.sort(rng.choice(train.anchors, args.batch, replace=False)), args.steps), t2d)
+        chains = chains_of(trainer, train, np.sort(rng.choice(train.anchors, args.batch, replace=False)), args.steps, t2d)
         loss, accuracy = loss_and_accuracy(trainer.unroll(chains))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
