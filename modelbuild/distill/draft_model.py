@@ -12,7 +12,8 @@ final norm, in float16 under Hugging Face's names (``draft/model.safetensors``),
 
 Teaching: every answer position from the last prompt token on learns the target's top-16
 next-token distribution over the draft vocabulary (soft cross-entropy), the prompt
-tokens only conditioning. Resumes from ``.cache/distill/ckpt/draft_model.pt``.
+tokens only conditioning. Resumes from ``.cache/distill/ckpt/draft_model.pt``; the run and
+its learning rate are sized by ``--minutes`` of training in all (``schedule.py``).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from ..export import save_checkpoint
 from ..llama import DecoderLayer, LlamaShape, RMSNorm, causal_bias, inverse_frequencies, rotary
 from .features import Features
 from .generate import DEFAULT_OUT
+from .schedule import set_learning_rate
 from .train import DRAFT_VOCAB, draft_vocabulary, target_shape
 
 
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bundle", type=Path, default=Path("models/smollm2-135m-instruct"))
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8, help="answers per update")
-    parser.add_argument("--updates", type=int, default=3000)
+    parser.add_argument("--updates", type=int, default=1_000_000, help="a cap; the run is sized by --minutes")
     parser.add_argument("--minutes", type=float, default=80)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--save-every", type=int, default=100)
@@ -151,29 +153,26 @@ def main(argv: list[str] | None = None) -> None:
     records = [r for r in records if r["job"] in by_job]
     ckpt_path = args.data / "ckpt" / "draft_model.pt"
     saved = torch.load(ckpt_path, weights_only=False) if ckpt_path.is_file() else None
-    if saved is not None:
-        args.updates = saved["state"]["planned"]  # its learning-rate schedule is laid out over them
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.updates, pct_start=0.05)
-    state = {"update": 0, "planned": args.updates, "seconds": 0.0, "log": []}
+    state = {"update": 0, "seconds": 0.0, "log": []}
     if saved is not None:
         model.load_state_dict(saved["model"], strict=False)
         optimizer.load_state_dict(saved["optimizer"])
-        schedule.load_state_dict(saved["schedule"])
         state = saved["state"]
         print(f"resumed at update {state['update']} ({state['seconds'] / 60:.1f} min trained)", flush=True)
     rng = np.random.default_rng(args.seed + state["update"])
-    started = time.perf_counter()
+    budget = args.minutes * 60  # of training time in all, across resumes: the schedule spans it
 
     def save() -> None:
         ckpt_path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                     "state": state}, ckpt_path.with_suffix(".tmp"))
         ckpt_path.with_suffix(".tmp").replace(ckpt_path)
 
     model.train()
-    while state["update"] < args.updates and time.perf_counter() - started < args.minutes * 60:
+    while state["update"] < args.updates and state["seconds"] < budget:
         t0 = time.perf_counter()
+        set_learning_rate(optimizer, args.lr, state["seconds"], budget)
         chosen = [records[i] for i in rng.choice(len(records), args.batch, replace=False)]
         ids, mask, targets, weight = batch_of(chosen, train, by_job, t2d)
         ce = -(targets * F.log_softmax(model(ids, mask), -1)).sum(-1)
@@ -182,7 +181,6 @@ def main(argv: list[str] | None = None) -> None:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        schedule.step()
         state["update"] += 1
         state["tokens"] = state.get("tokens", 0) + int(weight.sum())
         state["seconds"] += time.perf_counter() - t0
@@ -225,7 +223,7 @@ def export_draft(model: DraftLM, shape: LlamaShape, draft_ids: np.ndarray, bundl
         seed=args.seed, steps=state["update"], batch_size=args.batch, seq_len=0, learning_rate=args.lr,
         objective=(f"soft cross-entropy to the target's top-16 next-token distribution over {len(draft_ids)} draft ids "
                    f"at every answer position; embeddings tied to the target's and frozen; on the target's own "
-                   f"answers (responses.jsonl sha256 {data_hash(args.data)})"),
+                   f"answers (the training answers' sha256 {data_hash(args.data)})"),
         tokens_seen=int(state.get("tokens", 0)), seconds=round(state["seconds"], 1))
     entry = ModelEntry(role="draft", directory="draft", onnx="model.onnx", weights=DRAFT_WEIGHTS, config="config.json",
                        tokenizer="tokenizer.json", parameters=sum(p.numel() for p in model.parameters()),

@@ -94,19 +94,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bundle", type=Path, default=DEFAULT_MODEL_DIR)
     parser.add_argument("--data", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--train-answers", type=int, default=None, help=(
+        "extract at most this many training answers (in job-key order, a fixed pseudo-random subset that keeps "
+        "a prompt's greedy and sampled answers together): extraction runs ~250 tokens/s on 2 cores, so this "
+        "sizes the step to the time it may take"))
     args = parser.parse_args(argv)
     bundle = Bundle.load(args.bundle)
     outputs = bundle.manifest.models["target"].hidden_outputs
     names = {"final": outputs.final, "low": outputs.low, "mid": outputs.mid, "high": outputs.high}
     decoder = OnnxDecoder(bundle.target_dir, "cpu", args.threads)
     records = [json.loads(line) for line in (args.data / "responses.jsonl").read_text().splitlines() if line.strip()]
-    log = {}
+    log = json.loads((args.data / "extract.log.json").read_text()) if (args.data / "extract.log.json").is_file() else {}
     for split in ("train", "heldout"):
         out = args.data / "features" / split
         if (out / "index.json").is_file():
             print(f"{out} exists; skipped", flush=True)
             continue
         chosen = sorted((r for r in records if r["split"] == split), key=lambda r: r["job"])
+        if split == "train" and args.train_answers is not None:
+            chosen = chosen[: args.train_answers]
         print(f"{split}: {len(chosen)} answers", flush=True)
         log[split] = extract_split(decoder, names, chosen, out)
         print(json.dumps(log[split]), flush=True)

@@ -15,7 +15,8 @@ vocabulary: soft cross-entropy, i.e. distillation).
   target's KV of a middle and the last layer, with its own LM head over the draft vocabulary.
 
 Resumes from ``.cache/distill/ckpt/<kind>.pt`` (written every ``--save-every`` updates); a
-run ends at ``--updates`` or after ``--minutes``, and a rerun goes on where it stopped.
+run ends after ``--minutes`` of training in all (resumes included; the learning rate
+follows that budget, ``schedule.py``) or at ``--updates``, and a rerun goes on where it stopped.
 ``--export`` writes the head into the bundle and records it in the manifest.
 """
 from __future__ import annotations
@@ -35,8 +36,10 @@ from ..heads import Eagle3Head, MtpHead, SharedKvAssistant
 from ..llama import LlamaShape
 from .features import ChainBatch, Features
 from .generate import DEFAULT_OUT
+from .schedule import set_learning_rate
 
 DRAFT_VOCAB = 8192
+EVAL_STEPS = 6  # held-out agreement is measured over the longest chain served (k <= 6), however trained
 
 
 def target_shape(config: dict) -> LlamaShape:
@@ -205,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bundle", type=Path, default=Path("models/smollm2-135m-instruct"))
     parser.add_argument("--steps", type=int, default=6, help="draft steps unrolled per chain")
     parser.add_argument("--batch", type=int, default=128, help="chains per update")
-    parser.add_argument("--updates", type=int, default=6000)
+    parser.add_argument("--updates", type=int, default=1_000_000, help="a cap; the run is sized by --minutes")
     parser.add_argument("--minutes", type=float, default=80)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--save-every", type=int, default=200)
@@ -213,6 +216,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--export", type=Path, default=None, help="write the trained head into this bundle")
+    parser.add_argument("--checkpoint", type=Path, default=None,
+                        help="default <data>/ckpt/<kind>.pt; another name keeps a comparison run apart")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     shape = target_shape(json.loads((args.bundle / "target/config.json").read_text()))
@@ -224,39 +229,34 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     trainer = TRAINERS[args.kind](shape, embed, draft_ids)
     head = trainer.head
-    ckpt_path = args.data / "ckpt" / f"{args.kind}.pt"
+    ckpt_path = args.checkpoint or args.data / "ckpt" / f"{args.kind}.pt"
     saved = torch.load(ckpt_path, weights_only=False) if ckpt_path.is_file() else None
-    if saved is not None and saved["state"]["planned"] != args.updates:
-        print(f"the run in {ckpt_path} plans {saved['state']['planned']} updates; going on with that plan", flush=True)
-        args.updates = saved["state"]["planned"]  # its learning-rate schedule is laid out over them
     optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.updates, pct_start=0.05)
-    state = {"update": 0, "planned": args.updates, "seconds": 0.0, "log": []}
+    state = {"update": 0, "seconds": 0.0, "log": []}
     if saved is not None:
         head.load_state_dict(saved["head"])
         optimizer.load_state_dict(saved["optimizer"])
-        schedule.load_state_dict(saved["schedule"])
         state = saved["state"]
         print(f"resumed at update {state['update']} ({state['seconds'] / 60:.1f} min trained)", flush=True)
     rng = np.random.default_rng(args.seed + state["update"])
-    started, budget = time.perf_counter(), args.minutes * 60
+    budget = args.minutes * 60  # of training time in all, across resumes: the schedule spans it
 
     def save() -> None:
         ckpt_path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
+        torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(),
                     "state": state}, ckpt_path.with_suffix(".tmp"))
         ckpt_path.with_suffix(".tmp").replace(ckpt_path)
 
     head.train()
-    while state["update"] < args.updates and time.perf_counter() - started < budget:
+    while state["update"] < args.updates and state["seconds"] < budget:
         t0 = time.perf_counter()
+        set_learning_rate(optimizer, args.lr, state["seconds"], budget)
         chains = chains_of(trainer, train, np.sort(rng.choice(train.anchors, args.batch, replace=False)), args.steps, t2d)
         loss, accuracy = loss_and_accuracy(trainer.unroll(chains))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         optimizer.step()
-        schedule.step()
         state["update"] += 1
         state["seconds"] += time.perf_counter() - t0
         if state["update"] % args.log_every == 0:
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
         if state["update"] % args.save_every == 0:
             save()
     head.eval()
-    state["heldout"] = evaluate(trainer, t2d, heldout, args.steps)
+    state["heldout"] = evaluate(trainer, t2d, heldout, EVAL_STEPS)
     save()
     print(json.dumps({"kind": args.kind, "update": state["update"], "minutes": round(state["seconds"] / 60, 1),
                       **state["heldout"]}), flush=True)
