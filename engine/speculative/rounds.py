@@ -22,6 +22,7 @@ from typing import Hashable
 import numpy as np
 
 from engine.errors import EngineError
+from engine.grammar.state import GrammarState
 from engine.model.cached_decoder import CachedDecoder, SequenceOutput
 from engine.options import GenerationOptions
 from engine.speculative.proposers.base import Needs, ProposerContext, SharedKvSlice
@@ -107,11 +108,14 @@ def prompt_logprobs(target: CachedDecoder, out: SequenceOutput, prompt: list[int
 
 def verify_on_target(target: CachedDecoder, seq_id: Hashable, out: SequenceOutput, drafts: list[int],
                      probs: np.ndarray | None, context: list[int], options: GenerationOptions,
-                     rng: np.random.Generator, needs: Needs, rules: SequenceRules) -> RoundOutcome:
+                     rng: np.random.Generator, needs: Needs, rules: SequenceRules,
+                     grammar: GrammarState | None = None) -> RoundOutcome:
     """The half of a round that needs the target's logits: accept or reject the drafts
-    against the last ``len(drafts) + 1`` rows of ``out`` and rewind the rejected KV."""
+    against the last ``len(drafts) + 1`` rows of ``out`` (masked by the sequence's
+    ``grammar``, which moves on with the committed tokens: ``verify``) and rewind the
+    rejected KV."""
     rows = out.logits[-(len(drafts) + 1):]  # a prefill's last row, or a round's k + 1 rows
-    verdict = verify(rows, drafts, probs, context, options, rng, rules)
+    verdict = verify(rows, drafts, probs, context, options, rng, rules, grammar)
     rejected = len(drafts) - verdict.accepted
     if rejected:
         target.cache.rewind(seq_id, target.cache.length(seq_id) - rejected)
