@@ -11,6 +11,7 @@ tokenizer's are never allowed.
 """
 from __future__ import annotations
 
+import re
 import threading
 import weakref
 from collections import OrderedDict
@@ -78,7 +79,7 @@ class GrammarCompiler:
                 return matcher
         matcher = self._llg.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise InvalidRequestError(f"{spec.kind}: {_first_line(matcher.get_error())}", param="structured_output")
+            raise InvalidRequestError(f"{spec.kind}: {_message(matcher.get_error())}", param="structured_output")
         with self._lock:
             self.compilations += 1
             self._compiled[grammar] = matcher
@@ -87,9 +88,12 @@ class GrammarCompiler:
         return matcher
 
 
-def _first_line(error: str) -> str:
-    """llguidance's message without the source excerpt it draws under it."""
-    return error.strip().splitlines()[0] if error.strip() else "the grammar does not compile"
+def _message(error: str) -> str:
+    """llguidance's message on one line, without the source excerpt and caret it draws
+    under the fault ("   1 | start: /a(b/", "      ^")."""
+    lines = [line.strip() for line in error.splitlines()]
+    kept = [line for line in lines if line and set(line) != {"^"} and not re.match(r"\d+ \|", line)]
+    return " ".join(kept) or "the grammar does not compile"
 
 
 _COMPILERS: "weakref.WeakKeyDictionary[TextTokenizer, dict[tuple, GrammarCompiler]]" = weakref.WeakKeyDictionary()

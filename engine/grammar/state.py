@@ -63,6 +63,12 @@ class GrammarState:
         self.consumed -= count
 
     @property
+    def stopped(self) -> bool:
+        """Nothing but the end of the output can follow (the grammar is complete and cannot
+        be extended, or the end-of-sequence token has been taken)."""
+        return self._matcher.is_stopped()
+
+    @property
     def accepting(self) -> bool:
         """The output so far is complete under the grammar (it may end here)."""
         return self._matcher.is_accepting()

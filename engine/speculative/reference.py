@@ -27,6 +27,7 @@ import itertools
 import numpy as np
 
 from engine.grammar.compiler import grammar_compiler
+from engine.grammar.drafting import DraftGuide
 from engine.model.cached_decoder import CachedDecoder
 from engine.options import GenerationOptions
 from engine.speculative.proposers.base import NO_NEEDS, AcceptContext, Needs, Proposer
@@ -48,9 +49,11 @@ def speculative_decode(target: CachedDecoder, prompt_ids: list[int], options: Ge
     seed = options.seed
     verifier_rng = np.random.default_rng(seed)
     drafter_rng = np.random.default_rng(None if seed is None else [seed, 1])
-    spec = options.structured_output  # the grammar masks every position, drafts' included (``verify``)
-    grammar = None if spec is None else grammar_compiler(target.tokenizer, target.decoder.vocab_size,
-                                                         target.eos_token_ids).start(spec)
+    # A structured output's grammar masks every verified position (``verify``); the drafter
+    # follows its own copy, to draft only what the grammar allows (``grammar/drafting.py``).
+    spec = options.structured_output
+    compiler = spec and grammar_compiler(target.tokenizer, target.decoder.vocab_size, target.eos_token_ids)
+    grammar, draft_grammar = (compiler.start(spec), compiler.start(spec)) if spec else (None, None)
     seq = ("reference", next(_ids))
     target.cache.add_sequence(seq)
     try:
@@ -58,6 +61,8 @@ def speculative_decode(target: CachedDecoder, prompt_ids: list[int], options: Ge
         outcome = verify_on_target(target, seq, out, [], None, state.tokens, options, verifier_rng, needs,
                                    state.rules, grammar)
         commit_outcome(state, outcome)                                # the first token
+        if draft_grammar is not None:
+            draft_grammar.replay(outcome.tokens)
         while not state.finished:
             most = drafts_allowed(state, num_drafts)
             drafts, probs = [], None
@@ -66,8 +71,11 @@ def speculative_decode(target: CachedDecoder, prompt_ids: list[int], options: Ge
                 if needs.shared_kv_layers:
                     anchor = Anchor(anchor.final, anchor.layers, shared_kv_slices(target.cache, seq,
                                                                                   needs.shared_kv_layers))
+                guide = DraftGuide(draft_grammar) if draft_grammar is not None else None
                 proposal = proposer.propose(
-                    proposer_context(most, state.tokens, options, anchor, drafter_rng, state.rules))
+                    proposer_context(most, state.tokens, options, anchor, drafter_rng, state.rules, guide))
+                if guide is not None:
+                    guide.rewind()
                 drafts = [int(t) for t in proposal.tokens[:most]]
                 probs = None if proposal.probs is None else proposal.probs[: len(drafts)]
             pending = len(state.tokens) - 1                           # 2. one target pass
@@ -75,6 +83,8 @@ def speculative_decode(target: CachedDecoder, prompt_ids: list[int], options: Ge
             outcome = verify_on_target(target, seq, out, drafts, probs,  # 3. accept (+ rewind rejected KV)
                                        state.tokens, options, verifier_rng, needs, state.rules, grammar)
             committed = commit_outcome(state, outcome)                # 4. commit
+            if draft_grammar is not None and not state.finished:
+                draft_grammar.replay(outcome.tokens[:committed])
             record_round(stats, len(drafts), outcome.accepted, committed)
             if proposer is not None:
                 proposer.accept(AcceptContext(outcome.accepted, outcome.tokens[:committed], list(state.tokens)))

@@ -22,6 +22,7 @@ from typing import Hashable
 import numpy as np
 
 from engine.errors import EngineError
+from engine.grammar.drafting import DraftGuide
 from engine.grammar.state import GrammarState
 from engine.model.cached_decoder import CachedDecoder, SequenceOutput
 from engine.options import GenerationOptions
@@ -65,10 +66,12 @@ def drafts_allowed(state: SequenceState, num_drafts: int) -> int:
 
 
 def proposer_context(num_drafts: int, tokens: list[int], options: GenerationOptions, anchor: Anchor,
-                     rng: np.random.Generator | None, rules: SequenceRules | None = None) -> ProposerContext:
+                     rng: np.random.Generator | None, rules: SequenceRules | None = None,
+                     grammar: DraftGuide | None = None) -> ProposerContext:
     """What a proposer sees, built the same way by every caller."""
     return ProposerContext(num_drafts=num_drafts, context_tokens=tokens, options=options, target_hidden=anchor.final,
-                           target_hidden_layers=anchor.layers, shared_kv=anchor.shared_kv, rng=rng, rules=rules)
+                           target_hidden_layers=anchor.layers, shared_kv=anchor.shared_kv, rng=rng, rules=rules,
+                           grammar=grammar)
 
 
 def commit_outcome(state: SequenceState, outcome: "RoundOutcome") -> int:
