@@ -80,6 +80,7 @@ class ProposerWorker:
         constrained output's drafts keep to its grammar (None: drafts ignore grammars)."""
         self.loaded, self.mode, self.idle_timeout_s = loaded, loaded.mode, idle_timeout_s
         self._grammars, self._compiler = grammars, None
+        self.guided = grammars is not None  # drafts follow grammars (bench/structured.py measures it off too)
         self.metrics = metrics or RoundMetrics()
         self._seqs: dict[Hashable, _Mirror] = {}
         self._costs: DraftCostTable | None = None
@@ -192,7 +193,7 @@ class ProposerWorker:
         makes drafts better, so a grammar that cannot be followed here is dropped, never a
         failure: the target holds every output to it anyway."""
         spec = mirror.options.structured_output
-        if spec is None or self._grammars is None or committed is None:
+        if spec is None or not self.guided or committed is None:
             return
         try:
             if mirror.grammar is None:
