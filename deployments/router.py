@@ -29,6 +29,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from engine.errors import InvalidRequestError
+from engine.grammar.compiler import grammar_compiler
 from engine.grammar.spec import StructuredOutput
 from engine.kv.block_ledger import AdmissionError
 from engine.model.bundle import Bundle
@@ -152,6 +153,7 @@ class Router:
         engine = self.settings.engine
         self.factory = DriverFactory(self.tokenizer, info["eos_token_ids"], info["max_context"], info["vocab_size"],
                                      engine, needs)
+        grammar_compiler(self.tokenizer, info["vocab_size"], info["eos_token_ids"])  # checks requests' grammars
         self.transport = ServeTransport(self.target, self.proposers, info["kv_manager"],
                                         {info["replica"]: info["worker"]})
         self.coordinator = RoundCoordinator(self.transport, engine.scheduler, self.metrics)

@@ -108,6 +108,7 @@ class TargetStepper:
         config = worker_config(engine_config)
         self.decoder = CachedDecoder(Path(target_dir), config, owns_cores=False)
         self.worker = TargetWorker(self.decoder)
+        self.worker.grammars()  # read the vocabulary for grammars now, not in a constrained request's tick
         # Time verify passes before taking sequences (adaptive speculation plans with them;
         # it also warms onnxruntime up, so the first request does not pay for it).
         self.worker.verify_costs(config.scheduler.max_batch_size)
@@ -166,6 +167,7 @@ class ProposerStepper:
         self.metrics = ServeWorkerMetrics()
         self.worker = ProposerWorker(PROPOSER_KINDS[mode].load(bundle, config, vocab), self.metrics,
                                      grammars=functools.partial(_target_grammars, bundle.target_dir, vocab))
+        self.worker.grammars()  # as the target's: at start-up
         self.worker.probe()  # a first real run: checks the model and warms its session up
         self.worker.draft_costs()  # timed now, for the router's adaptive speculation
         self.transport: Counter = Counter()  # how target data arrived (by reference: the design)

@@ -187,3 +187,44 @@ def test_a_sequence_re_prefilled_on_a_new_target_rebuilds_its_grammar_from_its_t
     result = bundle_engine.generate(heldout_prompts[2], options, on_token=forget_after_six)
     assert len(resumes) == 1 and result.token_ids == expected
     assert_everything_released(bundle_engine)
+
+
+@pytest.mark.parametrize("mode", ["draft_model", "mtp", "eagle3", "shared_kv"])
+def test_proposers_draft_only_what_the_grammar_allows(mode, bundle_engine, heldout_prompts, monkeypatch):
+    """Every draft a proposer worker returns is allowed by the grammar after the committed
+    tokens and the drafts before it -- and with guidance off, some are not (the check can
+    fail). Either way the output is the same."""
+    target = bundle_engine.target
+    compiler = grammar_compiler(target.tokenizer, target.decoder.vocab_size, target.eos_token_ids)
+    spec = GRAMMARS["json_schema"]
+    worker = bundle_engine.transport.proposers[mode]
+    prompt = bundle_engine.factory.encode(heldout_prompts[5])
+    generated: list[int] = []
+    checked = {"drafts": 0, "forbidden": 0}
+    real_propose = worker.propose
+
+    def propose(items):  # on the loop thread, as are the token events: ``generated`` is what is committed
+        results = real_propose(items)
+        for result in results:
+            state = compiler.start(spec)
+            state.replay(generated)
+            for token in result.tokens:
+                checked["drafts"] += 1
+                if not state.allowed()[token]:
+                    checked["forbidden"] += 1
+                    break
+                state.advance(token)
+        return results
+
+    monkeypatch.setattr(worker, "propose", propose)
+    options = GenerationOptions(max_new_tokens=24, speculative_mode=mode, structured_output=spec)
+    outputs = {}
+    for guided in (True, False):
+        monkeypatch.setattr(worker, "guided", guided)
+        generated.clear()
+        checked.update(drafts=0, forbidden=0)
+        outputs[guided] = bundle_engine.generate(prompt, options, on_token=lambda e: generated.append(e.token_id))
+        assert checked["drafts"] > 0
+        assert (checked["forbidden"] == 0) == guided, (guided, checked)
+    assert outputs[True].token_ids == outputs[False].token_ids
+    assert outputs[True].speculative.acceptance_rate > outputs[False].speculative.acceptance_rate

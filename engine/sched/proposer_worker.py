@@ -187,6 +187,13 @@ class ProposerWorker:
         mirror.seen = time.monotonic()
         return mirror
 
+    def grammars(self) -> GrammarCompiler | None:
+        """The target model's grammar compiler, made on first use (a replica makes it at
+        start-up); None for a worker that drafts without grammars."""
+        if self._compiler is None and self._grammars is not None:
+            self._compiler = self._grammars()
+        return self._compiler
+
     def _follow_grammar(self, mirror: _Mirror, committed: list[int] | None) -> None:
         """Keep the mirror's grammar state at its committed tokens (``committed``: the output
         tokens it has not taken; at first contact all of them). Drafting by the grammar only
@@ -197,8 +204,7 @@ class ProposerWorker:
             return
         try:
             if mirror.grammar is None:
-                self._compiler = self._compiler or self._grammars()
-                mirror.grammar = self._compiler.start(spec)
+                mirror.grammar = self.grammars().start(spec)
             mirror.grammar.replay(committed)
         except Exception as exc:  # noqa: BLE001 - see above
             log.debug("%s: drafting without the grammar (%s)", self.mode, exc)

@@ -5,8 +5,9 @@ A router sends a batch of small items per tick -- prefills (prompt tokens) and v
 count, the committed tokens, their logprobs and the hidden-state anchor. Logits never
 leave this worker and the KV cache never moves: the worker keeps each sequence's
 committed tokens, options, sampling generator and grammar state (for a constrained
-output) next to its KV pages, so a verify item is O(k). Verification itself is ``speculative/rounds.verify_on_target``, the same code the
-reference loop runs. The in-process engine and every target replica run this worker.
+output) next to its KV pages, so a verify item is O(k). Verification itself is
+``speculative/rounds.verify_on_target``, the same code the reference loop runs. The
+in-process engine and every target replica run this worker.
 
 Physical KV blocks are granted by the block ledger (in-process, or the KV-manager
 actor): a prefill carries the block ids reserved for the sequence and the cache uses
@@ -26,7 +27,7 @@ from engine.sched.calibration import measure_verify_costs
 from engine.sched.cost_tables import VerifyCostTable
 from engine.sched.verify_split import verify_groups
 from engine.errors import EngineError
-from engine.grammar.compiler import grammar_compiler
+from engine.grammar.compiler import GrammarCompiler, grammar_compiler
 from engine.grammar.state import GrammarState
 from engine.options import GenerationOptions
 from engine.speculative.proposers.base import Needs
@@ -151,6 +152,12 @@ class TargetWorker:
             self.release([item.seq_id])
             return TargetResult(item.seq_id, None, error=_describe(exc))
 
+    def grammars(self) -> GrammarCompiler:
+        """This model's grammar compiler (made on first use; a replica makes it at start-up,
+        so its first constrained request does not wait for it)."""
+        target = self.target
+        return grammar_compiler(target.tokenizer, target.decoder.vocab_size, target.eos_token_ids)
+
     def _grammar(self, item: PrefillItem, rules: SequenceRules) -> GrammarState | None:
         """The sequence's grammar state, compiled once per grammar for this model: at the
         start of the output, or, for a sequence resuming here after its replica was lost,
@@ -159,8 +166,7 @@ class TargetWorker:
         spec = item.options.structured_output
         if spec is None:
             return None
-        target = self.target
-        grammar = grammar_compiler(target.tokenizer, target.decoder.vocab_size, target.eos_token_ids).start(spec)
+        grammar = self.grammars().start(spec)
         if item.resume:
             grammar.replay(item.tokens[rules.prompt_length:])
         return grammar
