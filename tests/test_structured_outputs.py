@@ -129,6 +129,7 @@ def test_a_grammar_that_cannot_finish_within_max_tokens_ends_with_length(bundle_
     (StructuredOutput.json_schema({"type": "object", "properties": {"a": {"type": "frobnicate"}}}), "frobnicate"),
     (StructuredOutput.json_schema({"type": "string", "format": "madeup"}), "Unknown format: madeup"),
     (StructuredOutput.json_schema({"type": "integer", "minimum": 5, "maximum": 1}), "Unsatisfiable"),
+    (StructuredOutput.json_schema({"type": "array", "uniqueItems": True}), "Unimplemented keys: \\[\"uniqueItems"),
     (StructuredOutput.regex("a(b"), "unclosed group"),
     (StructuredOutput.grammar("start: undefined_rule"), "undefined_rule"),
 ])
