@@ -59,7 +59,7 @@ class DraftGuide:
 def guided_choice(logits: np.ndarray, guide: DraftGuide | None, target_ids: np.ndarray | None = None) -> int:
     """One draft: the argmax of ``logits`` over what ``guide`` allows (all of it without a
     guide), taken by the guide. ``target_ids`` maps a reduced draft vocabulary to the
-    target's (EAGLE-3's ``d2t``); the draft's own id is returned. A guide whose grammar
+    target's (a head's ``d2t``); the draft's own id is returned. A guide whose grammar
     allows none of the drafter's vocabulary stops (the argmax is returned, and dropped)."""
     if guide is None or guide.stopped:
         return int(np.argmax(logits))

@@ -38,11 +38,6 @@ class Eagle3Proposer(StatelessProposer):
             raise ModelLoadError(f"{head.directory}: hidden_chain '{self.chain}' is not one of {self.CHAINS}")
         geometry = head.past_geometry()
         self._empty = np.zeros((1, geometry.num_kv_heads, 0, geometry.head_dim), np.float32)
-        d2t = head.d2t
-        self._target_ids = None if d2t is None else np.arange(len(d2t)) + np.asarray(d2t)  # draft id -> target id
-
-    def to_target_id(self, draft_id: int) -> int:
-        return draft_id if self.head.d2t is None else int(draft_id + self.head.d2t[draft_id])
 
     batchable = True  # a fresh state every pass: any group of sequences can share one run per step
 
@@ -83,8 +78,8 @@ class Eagle3Proposer(StatelessProposer):
                  "past_key_values.0.value": past_value})
             if published and step == 0:
                 fused_in = np.zeros_like(fused_in)
-            previous = [self.to_target_id(t) for t in guided_choices(logits[:, -1], [c.grammar for c in contexts],
-                                                                      self._target_ids)]
+            previous = self.head.target_ids(guided_choices(logits[:, -1], [c.grammar for c in contexts],
+                                                           self.head.draft_vocabulary))
             for row, token in zip(drafted, previous):
                 row.append(token)
         return [Proposal(c.kept(row)) for row, c in zip(drafted, contexts)]
