@@ -3,7 +3,10 @@
 Requests are strict: a field this server does not know is a 400 naming the field,
 rather than a silently ignored setting. Fields OpenAI defines but specserve does not
 implement are accepted only at their neutral value (``suffix`` null, ``best_of`` = ``n``,
-``tools`` null, ...), so a client that sends defaults works and one that relies on them is told.
+a completion's ``tools`` null, ...), so a client that sends defaults works and one that
+relies on them is told. Structured output: OpenAI's ``response_format`` (``json_object``,
+``json_schema``) and vLLM's ``structured_outputs``; chat's ``tools`` with ``tool_choice``
+(``tool_calls.py`` turns them into a grammar and a prompt).
 ``null`` for an optional field is its default (``_OpenAIModel``).
 Extensions (vLLM-style extra body fields): ``speculative_mode``,
 ``num_speculative_tokens`` (the most drafts per round), ``adaptive_speculation``,
@@ -20,6 +23,7 @@ from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origi
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictInt, ValidationInfo, field_validator, model_validator
 
+from engine.grammar.spec import StructuredOutput
 from engine.options import (MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, GenerationOptions, LogitBiasValue, OptionFields,
                             TokenId, checked_stops)
 
@@ -70,6 +74,68 @@ class StreamOptions(_OpenAIModel):
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
+class JsonSchemaFormat(_OpenAIModel):
+    """OpenAI's ``response_format.json_schema``. ``strict`` is accepted either way: the
+    schema is enforced as given, by the grammar, strict or not."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema', and only with it")
+        return self
+
+    def structured_output(self) -> StructuredOutput | None:
+        if self.type == "json_object":
+            return StructuredOutput.json_object()
+        if self.type == "json_schema":
+            return StructuredOutput.json_schema(self.json_schema.schema_)
+        return None
+
+
+class StructuredOutputs(_OpenAIModel):
+    """vLLM's ``structured_outputs`` extension: exactly one of ``json`` (a JSON schema, as
+    an object or its text), ``regex``, ``choice``, ``grammar`` (Lark or GBNF) and
+    ``json_object``."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, "json_" if name == "json" else name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar and json_object"
+                             + (f" (got {', '.join(given)})" if given else ""))
+        return self
+
+    def structured_output(self) -> StructuredOutput:
+        if self.json_ is not None:
+            return StructuredOutput.json_schema(self.json_)
+        if self.regex is not None:
+            return StructuredOutput.regex(self.regex)
+        if self.choice is not None:
+            return StructuredOutput.choice(self.choice)
+        if self.grammar is not None:
+            return StructuredOutput.grammar(self.grammar)
+        return StructuredOutput.json_object()
+
+
 class _SamplingFields(_OpenAIModel, OptionFields):
     """The sampling and speculation fields of a completion or chat request: the engine's
     ``OptionFields`` (top_p, the penalties, min_tokens, ignore_eos and the speculative
@@ -77,7 +143,7 @@ class _SamplingFields(_OpenAIModel, OptionFields):
 
     _NEUTRAL_NULLS: ClassVar[frozenset[str]] = frozenset({
         "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "metadata", "store",
-        "service_tier", "prediction"})
+        "service_tier", "prediction"})  # chat declares tools, tool_choice and parallel_tool_calls
 
     model: str | None = Field(None, examples=["SmolLM2-135M-Instruct"])  # optional, as vLLM's; checked when given
     max_tokens: int | None = Field(None, ge=1)
@@ -89,7 +155,8 @@ class _SamplingFields(_OpenAIModel, OptionFields):
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     logit_bias: dict[str, Annotated[LogitBiasValue, Strict()]] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
-    response_format: dict[str, Any] | None = None  # only plain text: {"type": "text"}
+    response_format: ResponseFormat | None = None  # text, json_object or json_schema
+    structured_outputs: StructuredOutputs | None = None  # vLLM's: json, regex, choice, grammar, json_object
     # extensions
     top_k: int = Field(0, ge=-1)  # 0 or -1 (vLLM's spelling): no top-k cut
     stop_token_ids: list[Annotated[TokenId, Strict()]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)  # vLLM's
@@ -115,12 +182,23 @@ class _SamplingFields(_OpenAIModel, OptionFields):
             raise ValueError("stream_options can only be set when stream is true")
         return value
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_format(cls, value):
-        if value is not None and value != {"type": "text"}:
-            raise ValueError("only response_format {\"type\": \"text\"} is supported by this server")
-        return value
+    @model_validator(mode="after")
+    def _one_output_constraint(self):
+        if self.structured_outputs is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise ValueError("give response_format or structured_outputs, not both")
+        return self
+
+    def structured_output(self) -> StructuredOutput | None:
+        """What the output must match, from whichever field says so."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.structured_output()
+        return self.response_format.structured_output() if self.response_format is not None else None
+
+    @property
+    def grammar_param(self) -> str:
+        """The field a bad grammar is reported against."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
 
     @field_validator("logit_bias")
     @classmethod
@@ -134,16 +212,18 @@ class _SamplingFields(_OpenAIModel, OptionFields):
                 raise ValueError("logit_bias names a token id twice")
         return value
 
-    def options(self, max_tokens: int, logprobs: bool, top_logprobs: int) -> GenerationOptions:
+    def options(self, max_tokens: int, logprobs: bool, top_logprobs: int,
+                structured_output: StructuredOutput | None = None) -> GenerationOptions:
         """The engine's options for this request: the shared ``OptionFields`` as they are,
-        the others from their wire form, and the token budget and logprobs the router
-        worked out."""
+        the others from their wire form, and the token budget, logprobs and (for a tool
+        call) the output's grammar the router worked out."""
         shared = {name: getattr(self, name) for name in OptionFields.model_fields}
         return GenerationOptions(**shared, max_new_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
                                  seed=self.seed, stop=self.stop,
                                  logit_bias={int(key): bias for key, bias in (self.logit_bias or {}).items()},
                                  stop_token_ids=tuple(self.stop_token_ids or ()), logprobs=logprobs,
-                                 top_logprobs=top_logprobs)
+                                 top_logprobs=top_logprobs,
+                                 structured_output=structured_output or self.structured_output())
 
 
 class CompletionRequest(_SamplingFields):
@@ -182,15 +262,33 @@ class CompletionRequest(_SamplingFields):
             else [prompt]
 
 
+class FunctionCall(_OpenAIModel):
+    name: str
+    arguments: str  # JSON text, as the reply carried it
+
+
+class ToolCall(_OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_OpenAIModel):
     # What a client sends back of an earlier reply (``message.model_dump()``): its
-    # ``refusal``, ``tool_calls``, ... at null are nothing to render.
+    # ``refusal``, ``annotations``, ... at null are nothing to render.
     _NEUTRAL_NULLS: ClassVar[frozenset[str]] = frozenset({
-        "refusal", "annotations", "audio", "function_call", "tool_calls"})
+        "refusal", "annotations", "audio", "function_call"})
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None  # null only for an assistant's (tool-call) reply
     name: str | None = None
     tool_call_id: str | None = None  # a tool message answers this call (kept for the client; not rendered)
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls (``tool_calls.render_messages``)
+
+    @model_validator(mode="after")
+    def _calls_are_an_assistants(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        return self
 
     @model_validator(mode="after")
     def _content_unless_assistant(self):
@@ -210,17 +308,56 @@ class ChatMessage(_OpenAIModel):
         return value
 
 
+class FunctionDefinition(_OpenAIModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: a call takes no arguments
+    strict: bool | None = None  # accepted either way: the arguments are held to the schema by the grammar
+
+
+class Tool(_OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(_OpenAIModel):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True  # with "required": more than one call allowed
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs: true")
         return self
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self):
+        if self.tool_choice is not None and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        names = [tool.function.name for tool in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tools name a function twice")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names function '{self.tool_choice.function.name}', which is not in tools")
+        return self
+
+    @property
+    def grammar_param(self) -> str:
+        return "tools" if self.tools and self.tool_choice not in (None, "none", "auto") else super().grammar_param
 
 
 class TokenizeRequest(_OpenAIModel):

@@ -1,7 +1,8 @@
 """OpenAI-compatible response bodies and server-sent-event chunks, built from what the
 engine committed for a request (its ``SequenceState``, ``SpeculativeStats`` and
 ``TokenEvent``s). The router only runs the request; everything the client reads is
-shaped here, next to the request models in ``openai_protocol.py``.
+shaped here, next to the request models in ``openai_protocol.py``. A forced tool call's
+output is read as ``tool_calls`` (``tool_calls.ToolCallScanner``), whole or as stream deltas.
 
 Every response carries the request's speculative statistics under ``speculative`` (over
 all its choices; a streamed choice's finishing chunk carries that choice's); with
@@ -23,6 +24,7 @@ from engine.speculative.sequence import TokenEvent
 from engine.speculative.stats import SpeculativeStats
 
 from .openai_protocol import ApiError
+from .tool_calls import ToolCallScanner, ToolPlan
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -104,14 +106,25 @@ def chat_logprobs(items: Sequence[TokenLogprob], token_bytes: Callable[[int], by
                          "top_logprobs": [entry(t.token_id, t.token, t.logprob) for t in i.top]} for i in items]}
 
 
+def _tool_finish(state, calls) -> str | None:
+    """``"tool_calls"`` when the output holds calls and its grammar completed (it ended on
+    an end-of-sequence token); else the sequence's own reason (``"length"``: the calls
+    are cut short)."""
+    ended = state.finish_reason == "stop" and state.generated and state.generated[-1] in state.rules.end_tokens
+    return "tool_calls" if calls and ended else state.finish_reason
+
+
 class ResponseShaper:
     """One request's response: the whole body (``full``), or its stream (``opening``,
     ``tokens`` per round, then ``closing`` or ``error``, then ``SSE_DONE``)."""
 
     def __init__(self, model_name: str, chat: bool, token_ids: bool = False, include_usage: bool = False,
                  token_bytes: Callable[[int], bytes] | None = None, choices_per_prompt: int = 1,
-                 echoes: Sequence[Echo] | None = None, continuous_usage: bool = False) -> None:
+                 echoes: Sequence[Echo] | None = None, continuous_usage: bool = False,
+                 tools: ToolPlan | None = None) -> None:
         self.model_name, self.chat, self.token_ids, self.include_usage = model_name, chat, token_ids, include_usage
+        self.tools = tools  # a forced call: the output is read as tool_calls, never as content
+        self._scanners: dict[int, ToolCallScanner] = {}  # per streamed choice
         self.token_bytes = token_bytes
         self.per_prompt = choices_per_prompt  # n: choice i answers prompt i // n
         self.echoes = echoes
@@ -128,8 +141,13 @@ class ResponseShaper:
             state = driver.state
             logprobs = state.logprobs if state.options.logprobs else None
             if self.chat:
-                choice = {"index": index, "message": {"role": "assistant", "content": state.text},
-                          "finish_reason": state.finish_reason,
+                message, finish = {"role": "assistant", "content": state.text}, state.finish_reason
+                if self.tools is not None:
+                    scanner = self.tools.scanner()
+                    scanner.feed(state.text)
+                    message = {"role": "assistant", "content": None, "tool_calls": scanner.tool_calls() or None}
+                    finish = _tool_finish(state, message["tool_calls"])
+                choice = {"index": index, "message": message, "finish_reason": finish,
                           "logprobs": chat_logprobs(logprobs, self.token_bytes) if logprobs is not None else None}
             else:
                 echo = self.echoes[index // self.per_prompt] if self.echoes else None
@@ -195,9 +213,16 @@ class ResponseShaper:
             if self.token_ids and first:  # as vLLM's: a choice's first chunk carries its prompt's ids
                 ids["prompt_token_ids"] = driver.state.tokens[: driver.state.prompt_len]
             if self.chat:
-                delta = {"content": event.text} if event.text else {}
+                delta, finish = {"content": event.text} if event.text else {}, event.finish_reason
+                if self.tools is not None:
+                    scanner = self._scanners.setdefault(index, self.tools.scanner())
+                    scanner.feed(event.text)
+                    calls = scanner.deltas()
+                    delta = {"tool_calls": calls} if calls else {}
+                    if finish is not None:
+                        finish = _tool_finish(driver.state, scanner.tool_calls())
                 parts.append(self._chunk([{"index": index, "delta": delta, "logprobs": logprobs,
-                                           "finish_reason": event.finish_reason, **ids}], **extra))
+                                           "finish_reason": finish, **ids}], **extra))
             else:
                 parts.append(self._chunk([{"index": index, "text": event.text, "logprobs": logprobs,
                                            "finish_reason": event.finish_reason, **ids}], **extra))

@@ -29,6 +29,8 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from engine.errors import InvalidRequestError
+from engine.grammar.compiler import grammar_compiler
+from engine.grammar.spec import StructuredOutput
 from engine.kv.block_ledger import AdmissionError
 from engine.model.bundle import Bundle
 from engine.model.chat import ChatTemplate
@@ -46,6 +48,7 @@ from .openai_responses import SSE_DONE, ChoiceEvent, Echo, ResponseShaper
 from .request_guard import RequestGuard
 from .settings import ServeSettings
 from .streaming import WriteBudget, cancel_when_dropped, token_writes
+from .tool_calls import ToolPlan, render_messages, tool_plan
 from .transport import ServeTransport
 
 log = logging.getLogger("specserve.router")
@@ -150,6 +153,7 @@ class Router:
         engine = self.settings.engine
         self.factory = DriverFactory(self.tokenizer, info["eos_token_ids"], info["max_context"], info["vocab_size"],
                                      engine, needs)
+        grammar_compiler(self.tokenizer, info["vocab_size"], info["eos_token_ids"])  # checks requests' grammars
         self.transport = ServeTransport(self.target, self.proposers, info["kv_manager"],
                                         {info["replica"]: info["worker"]})
         self.coordinator = RoundCoordinator(self.transport, engine.scheduler, self.metrics)
@@ -232,12 +236,14 @@ class Router:
     async def chat_completions(self, body: ChatCompletionRequest):
         await self._ensure_ready()
         self._check_model(body.model)
-        prompt = self.chat_template.render([m.model_dump(exclude_none=True) for m in body.messages])
+        tools = tool_plan(body, self.chat_template.renders_tools)
+        prompt = self.chat_template.render(render_messages(body.messages, tools))
         prompt_ids = self._encode(prompt)
         max_tokens = self._max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt_ids),
                                       "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
-        options, speculation = self._options(body, max_tokens, body.logprobs, body.top_logprobs or 0, len(prompt_ids))
-        return await self._serve(body, options, speculation, [prompt_ids], chat=True)
+        options, speculation = self._options(body, max_tokens, body.logprobs, body.top_logprobs or 0, len(prompt_ids),
+                                             tools.structured_output() if tools is not None else None)
+        return await self._serve(body, options, speculation, [prompt_ids], chat=True, tools=tools)
 
     @app.post("/tokenize")
     async def tokenize(self, body: TokenizeRequest) -> dict:
@@ -247,7 +253,7 @@ class Router:
         if body.model is not None:
             self._check_model(body.model)
         text = body.prompt if body.messages is None else self.chat_template.render(
-            [m.model_dump(exclude_none=True) for m in body.messages])
+            render_messages(body.messages, None))
         tokens = self.tokenizer.encode(text)
         return {"count": len(tokens), "max_model_len": self.max_context, "tokens": tokens}
 
@@ -284,23 +290,31 @@ class Router:
                            code="context_length_exceeded")
         return requested
 
-    def _options(self, body, max_tokens: int, logprobs: bool, top: int,
-                 prompt_tokens: int) -> tuple[GenerationOptions, Speculation]:
-        """The request's options, checked against this deployment (``DriverFactory.validate``)."""
+    def _options(self, body, max_tokens: int, logprobs: bool, top: int, prompt_tokens: int,
+                 structured_output: StructuredOutput | None = None) -> tuple[GenerationOptions, Speculation]:
+        """The request's options, checked against this deployment (``DriverFactory.validate``:
+        a structured output's grammar is compiled here, so a bad schema is a 400 naming
+        the field it came in)."""
         room = min(max_tokens, self.max_context - prompt_tokens)  # what the request can generate
         if body.min_tokens > room:
             raise ApiError(400, f"min_tokens ({body.min_tokens}) must not exceed what the request can generate "
                            f"({room}: max_tokens, and the context beside the prompt)", param="min_tokens")
         try:
-            options = body.options(max_tokens, logprobs, top)
+            structured_output = structured_output or body.structured_output()
+        except ValidationError as exc:  # an empty regex, an empty list of choices, a schema that is not JSON
+            raise ApiError(400, exc.errors()[0]["msg"].removeprefix("Value error, "), param=body.grammar_param) from exc
+        try:
+            options = body.options(max_tokens, logprobs, top, structured_output)
         except ValidationError as exc:  # the request model checks first: this is a backstop
             first = exc.errors()[0]
-            raise ApiError(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}",
+            where = ".".join(map(str, first["loc"]))
+            raise ApiError(400, f"{where + ': ' if where else ''}{first['msg'].removeprefix('Value error, ')}",
                            param=str(first["loc"][0]) if first["loc"] else None) from exc
         try:
             return options, self.factory.validate(options)
         except InvalidRequestError as exc:
-            raise ApiError(400, str(exc), param=exc.param) from exc
+            param = body.grammar_param if exc.param == "structured_output" else exc.param
+            raise ApiError(400, str(exc), param=param) from exc
 
     def _encode(self, prompt, name: str = "prompt") -> list[int]:
         """``name``: what the error calls it (``prompt[i]`` in a batch)."""
@@ -312,7 +326,7 @@ class Router:
                            if "context limit" in str(exc) else None) from exc
 
     async def _serve(self, body, options: GenerationOptions, speculation: Speculation, prompts: list[list[int]],
-                     chat: bool, echoes: list[Echo] | None = None):
+                     chat: bool, echoes: list[Echo] | None = None, tools: ToolPlan | None = None):
         """Run the request's choices -- ``n`` per prompt, prompt i's choice j at index
         i * n + j, as vLLM numbers them -- each a sequence of its own (admitted together,
         or the request refused), and answer with all of them, or stream them as they commit."""
@@ -346,7 +360,7 @@ class Router:
         usage = body.stream_options
         shaper = ResponseShaper(self.model_name, chat, body.return_token_ids, usage is not None and usage.include_usage,
                                 self.tokenizer.token_bytes, choices_per_prompt=body.n, echoes=echoes,
-                                continuous_usage=usage is not None and usage.continuous_usage_stats)
+                                continuous_usage=usage is not None and usage.continuous_usage_stats, tools=tools)
         if not body.stream:
             try:
                 await run

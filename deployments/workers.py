@@ -18,6 +18,7 @@ LLM's engine replicas own their workers:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from collections import Counter
@@ -30,7 +31,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine.config import EngineConfig
 from engine.model.bundle import Bundle
-from engine.model.cached_decoder import CachedDecoder
+from engine.grammar.compiler import GrammarCompiler, grammar_compiler
+from engine.model.cached_decoder import CachedDecoder, model_eos_token_ids
+from engine.model.tokenizer import TextTokenizer
 from engine.sched.cost_tables import DraftCostTable, VerifyCostTable
 from engine.sched.proposer_worker import ProposeItem, ProposeResult, ProposerWorker
 from engine.sched.target_worker import PrefillItem, TargetResult, TargetWorker, VerifyItem
@@ -105,6 +108,7 @@ class TargetStepper:
         config = worker_config(engine_config)
         self.decoder = CachedDecoder(Path(target_dir), config, owns_cores=False)
         self.worker = TargetWorker(self.decoder)
+        self.worker.grammars()  # read the vocabulary for grammars now, not in a constrained request's tick
         # Time verify passes before taking sequences (adaptive speculation plans with them;
         # it also warms onnxruntime up, so the first request does not pay for it).
         self.worker.verify_costs(config.scheduler.max_batch_size)
@@ -161,7 +165,9 @@ class ProposerStepper:
         vocab = bundle.manifest.models["target"].architecture.vocab_size
         self.mode = mode
         self.metrics = ServeWorkerMetrics()
-        self.worker = ProposerWorker(PROPOSER_KINDS[mode].load(bundle, config, vocab), self.metrics)
+        self.worker = ProposerWorker(PROPOSER_KINDS[mode].load(bundle, config, vocab), self.metrics,
+                                     grammars=functools.partial(_target_grammars, bundle.target_dir, vocab))
+        self.worker.grammars()  # as the target's: at start-up
         self.worker.probe()  # a first real run: checks the model and warms its session up
         self.worker.draft_costs()  # timed now, for the router's adaptive speculation
         self.transport: Counter = Counter()  # how target data arrived (by reference: the design)
@@ -209,6 +215,13 @@ class ProposerStepper:
         return {"mode": self.mode, **self.transport, "sequences": len(self.worker.sequences),
                 "faults": dict(self.metrics.faults), "calls": self.calls, "propose_s": self.propose_s,
                 "compute_s": self.compute_s}
+
+
+def _target_grammars(target_dir: Path, vocab_size: int) -> GrammarCompiler:
+    """The target model's grammar compiler, for drafting under a grammar: its tokenizer and
+    end-of-sequence tokens, read from its directory (the worker never loads the target)."""
+    tokenizer = TextTokenizer(target_dir)
+    return grammar_compiler(tokenizer, vocab_size, model_eos_token_ids(target_dir, tokenizer))
 
 
 def _carries_data(anchor) -> bool:

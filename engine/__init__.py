@@ -6,6 +6,8 @@ Pure Python + numpy + onnxruntime; nothing here may import Ray. Layout:
 - ``kv/``           paged KV cache, block ledger, admission
 - ``speculative/``  the reference loop (read ``speculative/reference.py`` first), verification,
                     sampling, the commit path, stats, and the proposers with their kinds and registry
+- ``grammar/``      structured outputs: what an output must match, compiling it (llguidance),
+                    a sequence's grammar state, and drafting under a grammar
 - ``sched/``        the scheduler both transports share: coordinator, sequence driver, target
                     and proposer workers, local transport, and the draft-length planner with its
                     calibration, cost tables and cost models
@@ -16,6 +18,7 @@ Pure Python + numpy + onnxruntime; nothing here may import Ray. Layout:
 from engine.api import Engine, GenerationResult
 from engine.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.errors import EngineError, InvalidRequestError, ModelLoadError, PromptTooLongError
+from engine.grammar.spec import StructuredOutput
 from engine.kv.paged_cache import KVCacheCapacityError, PagedKVCache
 from engine.model.cached_decoder import CachedDecoder
 from engine.options import GenerationOptions
@@ -24,4 +27,4 @@ from engine.speculative.stats import SpeculativeStats
 
 __all__ = ["CachedDecoder", "Engine", "EngineConfig", "EngineError", "GenerationOptions", "GenerationResult",
            "InvalidRequestError", "KVCacheCapacityError", "ModelLoadError", "PagedKVCache", "PromptTooLongError",
-           "SchedulerConfig", "SpeculativeConfig", "SpeculativeStats", "TokenEvent"]
+           "SchedulerConfig", "SpeculativeConfig", "SpeculativeStats", "StructuredOutput", "TokenEvent"]

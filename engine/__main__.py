@@ -6,12 +6,14 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from pydantic import ValidationError
 
 from engine.api import Engine
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.errors import EngineError
+from engine.grammar.spec import StructuredOutput
 from engine.options import SPECULATIVE_MODES, GenerationOptions
 from engine.speculative.sequence import TokenEvent
 
@@ -45,9 +47,26 @@ def _add_common(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--speculative", choices=SPECULATIVE_MODES, default="none",
                      help="proposer for propose->verify rounds (output is identical to 'none' under greedy)")
     gen.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per round (default 4)")
+    shape = gen.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                       help="the output must be JSON satisfying this schema (its JSON text, or @FILE)")
+    shape.add_argument("--json", action="store_true", help="the output must be a JSON object")
+    shape.add_argument("--regex", default=None, help="the output must match this regular expression")
+    shape.add_argument("--choice", action="append", default=None, help="the output must be one of these (repeatable)")
     gen.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     gen.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
     gen.add_argument("--no-stream", action="store_true", help="print the text only when finished")
+
+
+def _structured_output(args: argparse.Namespace) -> StructuredOutput | None:
+    if args.json_schema is not None:
+        schema = args.json_schema
+        return StructuredOutput.json_schema(Path(schema[1:]).read_text() if schema.startswith("@") else schema)
+    if args.json:
+        return StructuredOutput.json_object()
+    if args.regex is not None:
+        return StructuredOutput.regex(args.regex)
+    return StructuredOutput.choice(args.choice) if args.choice else None
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -57,7 +76,8 @@ def generate(args: argparse.Namespace) -> int:
                                     presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                                     min_tokens=args.min_tokens,
                                     seed=args.seed, stop=tuple(args.stop), speculative_mode=args.speculative,
-                                    num_speculative_tokens=args.num_speculative_tokens)
+                                    num_speculative_tokens=args.num_speculative_tokens,
+                                    structured_output=_structured_output(args))
         # Load only the proposer this run uses: start-up stays fast.
         load = () if args.speculative in ("none", "prompt_lookup") else (args.speculative,)
         engine = Engine(args.model, EngineConfig(device=args.device, intra_op_threads=args.threads,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
 import itertools
 import threading
 import time
@@ -23,6 +24,7 @@ from typing import Sequence
 
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError
+from engine.grammar.compiler import grammar_compiler
 from engine.model.bundle import resolve_model_path
 from engine.model.cached_decoder import CachedDecoder
 from engine.model.chat import ChatTemplate
@@ -77,7 +79,11 @@ class Engine:
         self.factory = DriverFactory(self.target.tokenizer, self.target.eos_token_ids, self.target.max_context,
                                      self.target.decoder.vocab_size, config, self.needs)
         self.metrics = RoundMetrics()
-        workers = {mode: ProposerWorker(loaded, self.metrics) for mode, loaded in self.proposers.items()}
+        target = self.target
+        grammars = functools.partial(grammar_compiler, target.tokenizer, target.decoder.vocab_size,
+                                     target.eos_token_ids)  # one per model: the target worker's too
+        workers = {mode: ProposerWorker(loaded, self.metrics, grammars=grammars)
+                   for mode, loaded in self.proposers.items()}
         for worker in workers.values():
             worker.probe()  # a first real run: checks the model and warms its session up
             worker.draft_costs()  # timed now, for adaptive speculation

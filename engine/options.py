@@ -9,6 +9,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from engine.grammar.spec import StructuredOutput
+
 
 SpeculativeMode = Literal["none", "prompt_lookup", "draft_model", "mtp", "eagle3", "shared_kv"]
 SPECULATIVE_MODES: tuple[str, ...] = SpeculativeMode.__args__
@@ -75,6 +77,9 @@ class GenerationOptions(OptionFields):
     prompt_logprobs: int | None = Field(None, ge=0, le=20, description=(
         "also return the log-probability of every prompt token after the first, with this many alternatives "
         "(vLLM's prompt_logprobs; from the prefill's logits); None = off"))
+    structured_output: StructuredOutput | None = Field(None, description=(
+        "what the output must match (a JSON schema, any JSON object, a regex, one of a list of strings, a Lark or "
+        "GBNF grammar): the target's logits are masked by the grammar at every position, drafts included"))
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -114,6 +119,19 @@ class GenerationOptions(OptionFields):
     def _min_within_max(self) -> "GenerationOptions":
         if self.min_tokens > self.max_new_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_new_tokens ({self.max_new_tokens})")
+        return self
+
+    @model_validator(mode="after")
+    def _grammar_ends_the_output(self) -> "GenerationOptions":
+        """A grammar allows only the end-of-sequence token once its output is complete, so
+        an option that hides that token could leave no token at all to choose."""
+        if self.structured_output is not None:
+            if self.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with structured output: the grammar ends the "
+                                 "output with the end-of-sequence token")
+            if self.min_tokens:
+                raise ValueError("min_tokens cannot be combined with structured output: the grammar decides "
+                                 "where the output ends")
         return self
 
     @property

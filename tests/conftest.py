@@ -152,3 +152,19 @@ def assert_everything_released(engine: Engine) -> None:
     assert all(worker.sequences == [] for worker in engine.transport.proposers.values())
     if engine.draft is not None:
         assert engine.draft.cache.free_blocks == engine.draft.cache.num_blocks
+
+
+def stream_chat(client, **request):
+    """A streamed chat reply put back together: content, tool calls (OpenAI's deltas
+    accumulated by index), finish reason, token ids."""
+    content, calls, finish, ids = "", {}, None, []
+    for chunk in client.chat.completions.create(stream=True, **request):
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for delta in choice.delta.tool_calls or ():
+            call = calls.setdefault(delta.index, {"id": delta.id, "name": None, "arguments": ""})
+            call["name"] = call["name"] or (delta.function.name if delta.function else None)
+            call["arguments"] += (delta.function.arguments or "") if delta.function else ""
+        finish = choice.finish_reason or finish
+        ids += choice.model_extra.get("token_ids") or []
+    return content, [calls[i] for i in sorted(calls)], finish, ids

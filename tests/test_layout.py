@@ -37,3 +37,14 @@ def test_cli_names_a_missing_model_directory():
     run = subprocess.run([sys.executable, "-m", "engine", "generate", "--model", "models/nope", "--prompt", "x"],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert run.returncode == 2 and "models/nope" in run.stderr
+
+
+def test_cli_constrains_the_output_and_names_a_bad_grammar():
+    run = subprocess.run([sys.executable, "-m", "engine", "generate", "--model", "models/fixture/target", "--device", "cpu",
+                          "--prompt", "x = ", "--choice", "True", "--choice", "None", "--no-stream"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[0] in ("x = True", "x = None") and "finish_reason=stop" in run.stdout
+    run = subprocess.run([sys.executable, "-m", "engine", "generate", "--model", "models/fixture/target",
+                          "--prompt", "x", "--regex", "a(b"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert run.returncode == 2 and "unclosed group" in run.stderr

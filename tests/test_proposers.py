@@ -392,3 +392,54 @@ def test_an_mtp_head_with_a_draft_vocabulary_drafts_within_it_and_stays_lossless
         for prompt in heldout_prompts[:3]:
             expected = bundle_engine.generate(prompt, options.model_copy(update={"speculative_mode": "none"})).token_ids
             assert engine.generate(prompt, options.model_copy(update={"speculative_mode": "mtp"})).token_ids == expected
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+def test_a_head_with_a_draft_vocabulary_drafts_under_a_grammar_only_what_both_allow(kind, bundle_engine, target_state,
+                                                                                   tmp_path):
+    """The grammar's mask covers the target's vocabulary and the head's argmax its own
+    reduced one: each draft is a target id inside the draft vocabulary that the grammar
+    allows after the drafts before it (EAGLE-3 with its own ``d2t``, MTP given it)."""
+    import dataclasses
+    import json
+    import re
+    import shutil
+
+    from engine.grammar.compiler import grammar_compiler
+    from engine.grammar.drafting import DraftGuide
+    from engine.grammar.spec import StructuredOutput
+
+    target = bundle_engine.target
+    vocab = target.decoder.vocab_size
+    head_dir = MODELS / "heads" / kind
+    if kind == "mtp":
+        head_dir = tmp_path / "mtp"
+        shutil.copytree(MODELS / "heads/mtp", head_dir)
+        shutil.copy(MODELS / "heads/eagle3/d2t.npy", head_dir / "d2t.npy")
+        config = json.loads((head_dir / "config.json").read_text())
+        (head_dir / "config.json").write_text(json.dumps({**config, "d2t": "d2t.npy", "target": str(MODELS / "target")}))
+    model = load_head(kind, head_dir, vocab, bundle_engine.bundle.target_hidden_size, "cpu")
+    in_draft_vocabulary = set(model.draft_vocabulary.tolist())
+    pending = target_state["tokens"][-1]
+    # The pending token's text, then only lower-case words: a rule the head's own argmax breaks.
+    spec = StructuredOutput.regex(re.escape(target.tokenizer.token_bytes(pending).decode()) + "[a-z ]{1,40}")
+    compiler = grammar_compiler(target.tokenizer, vocab, target.eos_token_ids)
+    state = compiler.start(spec)
+    state.advance(pending)
+    guide = DraftGuide(state)
+    proposer, unguided = PROPOSERS[kind](model), head_context(kind, target_state, 5)
+    proposal = proposer.propose(dataclasses.replace(unguided, grammar=guide))
+    assert len(proposal.tokens) == 4 and set(proposal.tokens) <= in_draft_vocabulary
+
+    def obeyed(drafts: list[int]) -> bool:
+        check = compiler.start(spec)
+        check.advance(pending)
+        for token in drafts:
+            if not check.allowed()[token]:
+                return False
+            check.advance(token)
+        return True
+
+    assert obeyed(proposal.tokens) and not obeyed(proposer.propose(unguided).tokens)
+    guide.rewind()
+    assert state.consumed == 1  # back at the committed tokens

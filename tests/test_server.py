@@ -21,7 +21,7 @@ import pytest
 
 from engine import GenerationOptions
 
-from .conftest import free_port, running_server
+from .conftest import free_port, running_server, stream_chat
 
 MODES = ("none", "prompt_lookup", "draft_model", "mtp", "eagle3", "shared_kv")
 MAX_TOKENS = 24
@@ -422,7 +422,17 @@ def test_a_client_that_disconnects_mid_stream_gets_its_kv_blocks_freed(server, h
     ({"model": "specserve", "prompt": [True, False]}, 400, "prompt"),  # token ids are integers, not booleans
     ({"model": "specserve", "prompt": "x", "stop_token_ids": [10 ** 7]}, 400, "stop_token_ids"),
     ({"model": "specserve", "prompt": "x", "stop_token_ids": [-5]}, 400, "stop_token_ids.0"),
-    ({"model": "specserve", "prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"model": "specserve", "prompt": "x", "response_format": {"type": "xml"}}, 400, "response_format.type"),
+    ({"model": "specserve", "prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "bad", "schema": {"type": "frobnicate"}}}}, 400, "response_format"),
+    ({"model": "specserve", "prompt": "x", "structured_outputs": {"regex": "a(b"}}, 400, "structured_outputs"),
+    ({"model": "specserve", "prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400,
+     "structured_outputs"),
+    ({"model": "specserve", "prompt": "x", "structured_outputs": {"choice": []}}, 400, "structured_outputs"),
+    ({"model": "specserve", "prompt": "x", "structured_outputs": {"json_object": True}, "ignore_eos": True}, 400,
+     None),
+    ({"model": "specserve", "prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     "tools"),  # chat's, not completions'
     ({"model": "specserve", "prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
     ({"model": "specserve", "prompt": "x", "logit_bias": {"5": 500}}, 400, "logit_bias.5"),
     ({"model": "specserve", "prompt": "x", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),  # outside the vocabulary
@@ -585,3 +595,78 @@ def test_seeded_sampling_with_a_sampling_drafter_is_reproducible_and_complete(cl
     assert first.choices[0].model_extra["token_ids"] == again.choices[0].model_extra["token_ids"]
     assert first.choices[0].model_extra["token_ids"] != other.choices[0].model_extra["token_ids"]
     assert first.model_extra["speculative"]["draft_tokens"] > 0
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "line": {"type": "string"}},
+          "required": ["name", "line"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Find a symbol in a module",
+                                           "parameters": {"type": "object", "properties": {
+                                               "module": {"type": "string", "maxLength": 16},
+                                               "depth": {"type": "integer", "minimum": 0, "maximum": 9}},
+                                               "required": ["module", "depth"], "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "noop"}}]
+
+
+def test_structured_output_through_the_server_is_the_engines_constrained_target_only_output(client, bundle_engine,
+                                                                                          heldout_prompts):
+    """response_format json_schema and vLLM's regex, per mode, streamed and not: the
+    in-process engine's constrained target-only tokens."""
+    from engine.grammar.spec import StructuredOutput
+
+    prompt = heldout_prompts[9]
+    for body, spec in (({"response_format": {"type": "json_schema", "json_schema": {"name": "line", "strict": True,
+                                                                                   "schema": SCHEMA}}},
+                        StructuredOutput.json_schema(SCHEMA)),
+                       ({"structured_outputs": {"regex": r"\n        return [a-z_.()]+"}},
+                        StructuredOutput.regex(r"\n        return [a-z_.()]+"))):
+        expected = bundle_engine.generate(prompt, GenerationOptions(max_new_tokens=MAX_TOKENS, structured_output=spec,
+                                                                    speculative_mode="none"))
+        for mode in ("none", "draft_model", "eagle3"):
+            extra = {**body, "speculative_mode": mode, "return_token_ids": True}  # completions: vLLM's extension
+            request = dict(model="specserve", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body=extra)
+            whole = client.completions.create(**request).choices[0]
+            streamed = list(client.completions.create(stream=True, **request))
+            assert whole.model_extra["token_ids"] == expected.token_ids, mode
+            assert [t for c in streamed for t in c.choices[0].model_extra["token_ids"]] == expected.token_ids
+            assert whole.text == "".join(c.choices[0].text for c in streamed) == expected.text
+        if expected.finish_reason == "stop" and "response_format" in body:
+            assert set(json.loads(expected.text)) == {"name", "line"}
+
+
+def test_forced_and_required_tool_calls_through_the_server_stream_in_openais_shape(client):
+    messages = [{"role": "user", "content": "Look up the symbol 'join' in os.path."}]
+    for choice, names in (({"type": "function", "function": {"name": "lookup"}}, ["lookup"]), ("required", None)):
+        request = dict(model="specserve", messages=messages, max_tokens=60, temperature=0, tools=TOOLS,
+                       tool_choice=choice, extra_body={"speculative_mode": "eagle3", "return_token_ids": True})
+        whole = client.chat.completions.create(**request).choices[0]
+        content, calls, finish, ids = stream_chat(client, **request)
+        assert whole.message.content is None and content == ""
+        assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == \
+            [(c["name"], c["arguments"]) for c in calls]
+        assert whole.model_extra["token_ids"] == ids and whole.finish_reason == finish
+        if names:
+            assert [c.function.name for c in whole.message.tool_calls] == names
+        if finish == "tool_calls":  # the grammar completed: every call's arguments are whole and valid
+            for call in whole.message.tool_calls:
+                arguments = json.loads(call.function.arguments)
+                assert call.function.name in ("lookup", "noop") and isinstance(arguments, dict)
+                assert call.id.startswith("call_")
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({"tools": TOOLS}, "tool_choice", "auto"),  # OpenAI's default with tools: the model's template has none
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "auto"),
+    ({"tool_choice": "required"}, None, "tool_choice needs tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "missing"}}}, None, "missing"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frobnicate"}}}],
+      "tool_choice": "required"}, "tools", "frobnicate"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "response_format"),
+])
+def test_bad_tool_requests_get_a_400_naming_the_problem(server, body, param, says):
+    response = httpx.post(f"{server}/v1/chat/completions", headers=AUTH, timeout=30, json={
+        "model": "specserve", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and says in error["message"]
+

@@ -28,6 +28,7 @@ from tokenizers import Tokenizer, models
 
 import engine.speculative.rounds as rounds
 from engine import Engine, EngineConfig, GenerationOptions, SchedulerConfig, SpeculativeConfig
+from engine.grammar.spec import StructuredOutput
 from engine.model.manifest import BundleManifest
 from engine.speculative.sampling import sample, token_distribution
 from engine.speculative.verify import Verdict
@@ -132,23 +133,38 @@ def bigram_engine(bigram_bundle):
     engine.close()
 
 
-def exact_distribution(table: np.ndarray) -> dict[tuple, float]:
+# A grammar over the bigram vocabulary ("abcd"; "a", token 0, is EOS): position i may hold
+# only the letters of ALLOWED[i], so the constrained distribution is the target's bigram
+# renormalised over them, position by position -- known in closed form too.
+ALLOWED = ("bc", "bcd", "bd", "cd")
+GRAMMAR = StructuredOutput.regex("".join(f"[{letters}]" for letters in ALLOWED))
+
+
+def exact_distribution(table: np.ndarray, allowed: tuple[str, ...] | None = None) -> dict[tuple, float]:
+    """Each sequence's probability: under ``allowed``, each position's bigram row masked to
+    its letters and renormalised (the target's logits masked by the grammar)."""
     out = {}
     for seq in itertools.product(range(VOCAB), repeat=NEW_TOKENS):
         p, last = 1.0, PROMPT[-1]
-        for token in seq:
-            p, last = p * table[last, token], token
+        for i, token in enumerate(seq):
+            row = table[last]
+            if allowed is not None:
+                mask = np.array([c in allowed[i] for c in "abcd"])
+                row = np.where(mask, row, 0.0) / row[mask].sum()
+            p, last = p * row[token], token
         out[seq] = p
     return out
 
 
 def draw(engine: Engine, mode: str, n: int, first_seed: int, concurrency: int = 64,
-         adaptive: bool | None = None) -> list[tuple]:
+         adaptive: bool | None = None, grammar: StructuredOutput | None = None) -> list[tuple]:
     """``n`` independent samples: one request per seed, submitted concurrently so the
-    coordinator batches them (as a server under load would)."""
+    coordinator batches them (as a server under load would). Without a grammar EOS is
+    ignored; a grammar never allows it before its end."""
     def one(seed: int) -> tuple:
-        options = GenerationOptions(max_new_tokens=NEW_TOKENS, temperature=1.0, ignore_eos=True, seed=seed,
-                                    speculative_mode=mode, num_speculative_tokens=3, adaptive_speculation=adaptive)
+        options = GenerationOptions(max_new_tokens=NEW_TOKENS, temperature=1.0, ignore_eos=grammar is None,
+                                    seed=seed, speculative_mode=mode, num_speculative_tokens=3,
+                                    adaptive_speculation=adaptive, structured_output=grammar)
         return tuple(engine.generate(PROMPT, options).token_ids)
 
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
@@ -194,16 +210,25 @@ def test_target_only_sampling_matches_too(bigram_engine, bigram_bundle):
     assert chi_square_p_value(draw(bigram_engine, "none", 4000, first_seed=1), exact_distribution(table)) > 0.01
 
 
-def broken_verify(logits, drafts, draft_probs, context, options, rng, rules):
-    """Wrong on purpose: on rejection, resample from p instead of norm(max(0, p - q))."""
+def broken_verify(logits, drafts, draft_probs, context, options, rng, rules, grammar=None):
+    """Wrong on purpose: on rejection, resample from p instead of norm(max(0, p - q))
+    (masked by the grammar as the real rule is, so only the rejection rule differs)."""
     prefix = list(context)
     for i, d in enumerate(drafts):
-        p = token_distribution(logits[i], prefix, options, rules)
+        p = token_distribution(logits[i], prefix, options, rules, grammar.allowed() if grammar else None)
         q = draft_probs[i]
         if rng.random() * q[d] >= p[d]:
-            return Verdict(i, sample(p, rng))
+            token = sample(p, rng)
+            if grammar:
+                grammar.advance(token)
+            return Verdict(i, token)
+        if grammar:
+            grammar.advance(d)
         prefix.append(d)
-    return Verdict(len(drafts), sample(token_distribution(logits[-1], prefix, options, rules), rng))
+    token = sample(token_distribution(logits[-1], prefix, options, rules, grammar.allowed() if grammar else None), rng)
+    if grammar:
+        grammar.advance(token)
+    return Verdict(len(drafts), token)
 
 
 def test_a_broken_acceptance_rule_fails_the_same_test(bigram_engine, bigram_bundle, monkeypatch):
@@ -213,6 +238,27 @@ def test_a_broken_acceptance_rule_fails_the_same_test(bigram_engine, bigram_bund
     monkeypatch.setattr(rounds, "verify", broken_verify)
     assert chi_square_p_value(draw(bigram_engine, "draft_model", DRAWS, first_seed=1),
                               exact_distribution(table)) < 0.01
+
+
+def test_speculative_sampling_under_a_grammar_matches_the_masked_target_distribution(bigram_engine, bigram_bundle):
+    """With a grammar on, the output's distribution is the target's masked by the grammar
+    at each position -- with the draft model drafting under the same grammar (its q masked
+    too) and its drafts rejected or accepted by the real rule."""
+    _, table = bigram_bundle
+    stats = bigram_engine.cumulative_stats.get("draft_model")
+    before = stats.proposed_tokens if stats else 0
+    samples = draw(bigram_engine, "draft_model", DRAWS, first_seed=1, grammar=GRAMMAR)
+    assert all(len(s) == NEW_TOKENS and all("abcd"[t] in ALLOWED[i] for i, t in enumerate(s)) for s in samples)
+    assert bigram_engine.cumulative_stats["draft_model"].proposed_tokens > before + DRAWS  # it drafted
+    assert chi_square_p_value(samples, exact_distribution(table, ALLOWED)) > 0.01
+
+
+def test_a_broken_acceptance_rule_fails_under_the_grammar_too(bigram_engine, bigram_bundle, monkeypatch):
+    """Half the draws are plenty to catch it."""
+    _, table = bigram_bundle
+    monkeypatch.setattr(rounds, "verify", broken_verify)
+    assert chi_square_p_value(draw(bigram_engine, "draft_model", DRAWS // 2, first_seed=1, grammar=GRAMMAR),
+                              exact_distribution(table, ALLOWED)) < 0.01
 
 
 def test_adaptive_speculation_keeps_the_target_distribution(tmp_path):

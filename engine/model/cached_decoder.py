@@ -16,10 +16,16 @@ from engine.errors import ModelLoadError
 from engine.kv.batch_layout import BatchLayouts
 from engine.kv.paged_cache import KVCacheCapacityError, PagedKVCache
 from engine.model.in_place import InPlaceDecoder, KVBuffer, buffer_capacity
-from engine.model.onnx_model import OnnxDecoder
+from engine.model.onnx_model import OnnxDecoder, configured_eos_token_ids
 from engine.config import EngineConfig
 from engine.model.probe import check_finite
 from engine.model.tokenizer import TextTokenizer, encode_prompt
+
+
+def model_eos_token_ids(model_dir: str | Path, tokenizer: TextTokenizer) -> tuple[int, ...]:
+    """The ids that end a sequence of this model: its config's, else its tokenizer's EOS."""
+    configured = configured_eos_token_ids(Path(model_dir))
+    return configured or ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
 
 
 @dataclass(frozen=True)
@@ -53,8 +59,7 @@ class CachedDecoder:
         if config_vocab is not None and config_vocab != vocab:
             raise ModelLoadError(f"config.json in {model_dir} says vocab_size={config_vocab} but the ONNX logits "
                                  f"have {vocab} entries")
-        self.eos_token_ids = self.decoder.eos_token_ids or (
-            (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+        self.eos_token_ids = model_eos_token_ids(model_dir, self.tokenizer)
         limit = self.config.max_context or self.decoder.max_context
         if limit is None:
             raise ModelLoadError(f"{model_dir}: no context limit in config.json; set EngineConfig.max_context")

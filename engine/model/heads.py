@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -94,6 +95,12 @@ class HeadModel:
     @property
     def hidden_size(self) -> int:
         return self.embedder.hidden_size
+
+    @cached_property
+    def draft_vocabulary(self) -> np.ndarray | None:
+        """The target id of each draft id with a reduced draft vocabulary (a grammar's mask,
+        over the target's vocabulary, is read through it); None when the two are the same."""
+        return None if self.d2t is None else np.arange(len(self.d2t)) + self.d2t
 
     def target_ids(self, draft_ids) -> list[int]:
         """Draft ids to target ids: ``i + d2t[i]`` with a reduced draft vocabulary, else the same."""

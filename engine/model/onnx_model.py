@@ -216,11 +216,7 @@ class OnnxDecoder:
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        genai = self._read_json("genai_config.json").get("model", {})
-        eos = self.config.get("eos_token_id", genai.get("eos_token_id"))
-        if eos is None:
-            return ()
-        return tuple(eos) if isinstance(eos, list) else (int(eos),)
+        return configured_eos_token_ids(self.model_dir)
 
     def empty_past(self, batch: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
         return [(np.zeros((batch, g.num_kv_heads, 0, g.head_dim), self.kv_dtype),) * 2 for g in self.layers]
@@ -253,3 +249,15 @@ class OnnxDecoder:
             extras=dict(zip(self.io.extra_outputs, results[1 + 2 * n :])),
         )
 
+
+def configured_eos_token_ids(model_dir: Path) -> tuple[int, ...]:
+    """The end-of-sequence ids a model directory's config.json (or genai_config.json)
+    names; read without loading the model, by whoever needs them beside it."""
+    def read(name: str) -> dict:
+        path = Path(model_dir) / name
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    eos = read("config.json").get("eos_token_id", read("genai_config.json").get("model", {}).get("eos_token_id"))
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)

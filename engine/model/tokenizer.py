@@ -32,6 +32,11 @@ class TextTokenizer:
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def special_token_ids(self) -> list[int]:
+        """The added and special tokens' ids: tokens that stand for themselves, not for text."""
+        return sorted(self._added)
+
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 

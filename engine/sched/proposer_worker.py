@@ -6,6 +6,10 @@ since its last call (O(k)), how many drafts the target accepted, and the target 
 tokens and one proposer instance per sequence, so a draft model keeps its own KV
 between rounds. The in-process engine and every proposer replica run this worker.
 
+Under a structured output the mirror also keeps the sequence's grammar state at its
+committed tokens, and the proposer drafts only what the grammar allows (each round's
+drafts are stepped through, then rolled back: ``engine/grammar/drafting.py``).
+
 A worker that does not know a sequence (it was routed to a fresh replica, or this one
 restarted) answers ``resync``: that round goes without drafts, which is always correct,
 and the router sends the whole context next time.
@@ -15,11 +19,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
 from engine.errors import EngineError
+from engine.grammar.compiler import GrammarCompiler
+from engine.grammar.drafting import DraftGuide
+from engine.grammar.state import GrammarState
 from engine.options import GenerationOptions
 from engine.sched.metrics import RoundMetrics
 from engine.speculative.proposers.base import AcceptContext, Proposal, Proposer, ProposerContext
@@ -61,14 +68,19 @@ class _Mirror:
     rng: np.random.Generator
     seen: float
     rules: SequenceRules | None = None
+    grammar: GrammarState | None = None  # a constrained output's, at ``tokens``: drafts follow it
 
 
 class ProposerWorker:
     """Per-sequence proposers and token mirrors for one proposer kind."""
 
     def __init__(self, loaded: LoadedProposer, metrics: RoundMetrics | None = None,
-                 idle_timeout_s: float = 600.0) -> None:
+                 idle_timeout_s: float = 600.0, grammars: Callable[[], GrammarCompiler] | None = None) -> None:
+        """``grammars``: the target model's grammar compiler, made on first use, so that a
+        constrained output's drafts keep to its grammar (None: drafts ignore grammars)."""
         self.loaded, self.mode, self.idle_timeout_s = loaded, loaded.mode, idle_timeout_s
+        self._grammars, self._compiler = grammars, None
+        self.guided = grammars is not None  # drafts follow grammars (bench/structured.py measures it off too)
         self.metrics = metrics or RoundMetrics()
         self._seqs: dict[Hashable, _Mirror] = {}
         self._costs: DraftCostTable | None = None
@@ -96,35 +108,45 @@ class ProposerWorker:
         self._evict_idle()
         results: dict[Hashable, ProposeResult] = {}
         batch: list[tuple[ProposeItem, ProposerContext, _Mirror]] = []
-        for item in items:
-            try:
-                mirror = self._sync(item)
-                if mirror is None:
-                    results[item.seq_id] = ProposeResult(item.seq_id, [], resync=True)
-                    continue
-                context = proposer_context(item.num_drafts, mirror.tokens, mirror.options, item.anchor or Anchor(),
-                                           mirror.rng, mirror.rules)
-                if mirror.proposer.batchable:
-                    batch.append((item, context, mirror))
-                else:
+        guides: list[DraftGuide] = []  # rolled back to the committed tokens once the drafts are made
+        try:
+            for item in items:
+                try:
+                    mirror = self._sync(item)
+                    if mirror is None:
+                        results[item.seq_id] = ProposeResult(item.seq_id, [], resync=True)
+                        continue
+                    guide = DraftGuide(mirror.grammar) if mirror.grammar is not None else None
+                    if guide is not None:
+                        guides.append(guide)
+                    context = proposer_context(item.num_drafts, mirror.tokens, mirror.options,
+                                               item.anchor or Anchor(), mirror.rng, mirror.rules, guide)
+                    if mirror.proposer.batchable:
+                        batch.append((item, context, mirror))
+                    else:
+                        results[item.seq_id] = _result(item, mirror.proposer.propose(context))
+                except Exception as exc:  # noqa: BLE001 - this round goes on without drafts for it
+                    results[item.seq_id] = self._failed(item, exc)
+            if len(batch) > 1:
+                try:
+                    proposals = batch[0][2].proposer.propose_batch([context for _, context, _ in batch],
+                                                                   [mirror.proposer for _, _, mirror in batch])
+                    results.update((item.seq_id, _result(item, p)) for (item, _, _), p in zip(batch, proposals))
+                    batch = []
+                except Exception as exc:  # noqa: BLE001 - find the sequence that broke the batch
+                    log.warning("%s: batched proposal for %d sequences failed (%r); retrying one by one", self.mode,
+                                len(batch), exc)
+                    self.metrics.fault("propose_batch_failed", self.mode)
+                    for guide in guides:
+                        guide.rewind()
+            for item, context, mirror in batch:
+                try:
                     results[item.seq_id] = _result(item, mirror.proposer.propose(context))
-            except Exception as exc:  # noqa: BLE001 - this round goes on without drafts for it
-                results[item.seq_id] = self._failed(item, exc)
-        if len(batch) > 1:
-            try:
-                proposals = batch[0][2].proposer.propose_batch([context for _, context, _ in batch],
-                                                               [mirror.proposer for _, _, mirror in batch])
-                results.update((item.seq_id, _result(item, p)) for (item, _, _), p in zip(batch, proposals))
-                batch = []
-            except Exception as exc:  # noqa: BLE001 - find the sequence that broke the batch
-                log.warning("%s: batched proposal for %d sequences failed (%r); retrying one by one", self.mode,
-                            len(batch), exc)
-                self.metrics.fault("propose_batch_failed", self.mode)
-        for item, context, mirror in batch:
-            try:
-                results[item.seq_id] = _result(item, mirror.proposer.propose(context))
-            except Exception as exc:  # noqa: BLE001
-                results[item.seq_id] = self._failed(item, exc)
+                except Exception as exc:  # noqa: BLE001
+                    results[item.seq_id] = self._failed(item, exc)
+        finally:
+            for guide in guides:
+                guide.rewind()
         return [results[item.seq_id] for item in items]
 
     def release(self, seq_ids: Sequence[Hashable]) -> None:
@@ -152,15 +174,42 @@ class ProposerWorker:
             else:
                 mirror.proposer.rewind(list(item.new_tokens))
             mirror.tokens, mirror.options, mirror.rules = list(item.new_tokens), item.options, item.rules
+            mirror.grammar = None
+            self._follow_grammar(mirror, mirror.tokens[item.rules.prompt_length:] if item.rules else None)
         elif mirror is None or len(mirror.tokens) != item.since:
             self.release([item.seq_id])
             return None
         else:
             mirror.tokens.extend(item.new_tokens)
+            self._follow_grammar(mirror, item.new_tokens)
             if item.accepted >= 0:
                 mirror.proposer.accept(AcceptContext(item.accepted, list(item.new_tokens), list(mirror.tokens)))
         mirror.seen = time.monotonic()
         return mirror
+
+    def grammars(self) -> GrammarCompiler | None:
+        """The target model's grammar compiler, made on first use (a replica makes it at
+        start-up); None for a worker that drafts without grammars."""
+        if self._compiler is None and self._grammars is not None:
+            self._compiler = self._grammars()
+        return self._compiler
+
+    def _follow_grammar(self, mirror: _Mirror, committed: list[int] | None) -> None:
+        """Keep the mirror's grammar state at its committed tokens (``committed``: the output
+        tokens it has not taken; at first contact all of them). Drafting by the grammar only
+        makes drafts better, so a grammar that cannot be followed here is dropped, never a
+        failure: the target holds every output to it anyway."""
+        spec = mirror.options.structured_output
+        if spec is None or not self.guided or committed is None:
+            return
+        try:
+            if mirror.grammar is None:
+                mirror.grammar = self.grammars().start(spec)
+            mirror.grammar.replay(committed)
+        except Exception as exc:  # noqa: BLE001 - see above
+            log.debug("%s: drafting without the grammar (%s)", self.mode, exc)
+            mirror.grammar = None
+            mirror.options = mirror.options.model_copy(update={"structured_output": None})
 
     def _evict_idle(self) -> None:
         """Forget sequences nobody has asked about for a long time (their router is gone)."""

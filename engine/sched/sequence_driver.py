@@ -16,6 +16,7 @@ from typing import Any, Hashable, NamedTuple, Sequence
 
 from engine.config import AUTO_MODE_PREFERENCE, EngineConfig
 from engine.errors import InvalidRequestError, ModelLoadError
+from engine.grammar.compiler import grammar_compiler
 from engine.model.tokenizer import TextTokenizer, encode_prompt
 from engine.options import SPECULATIVE_MODES, GenerationOptions
 from engine.sched.proposer_worker import ProposeItem, ProposeResult
@@ -258,10 +259,13 @@ class DriverFactory:
 
     def validate(self, options: GenerationOptions) -> Speculation:
         """Check a request's options against this deployment -- its mode is served (and
-        allowed beside a sliding window), its token ids are in the vocabulary -- and
-        resolve its speculation. Raises ``InvalidRequestError`` naming the option."""
+        allowed beside a sliding window), its token ids are in the vocabulary, its
+        structured output's grammar compiles -- and resolve its speculation. Raises
+        ``InvalidRequestError`` naming the option."""
         speculation = self._resolve_mode(options)
         self._check_token_ids(options)
+        if options.structured_output is not None:  # a bad schema is the request's error, found before admission
+            grammar_compiler(self.tokenizer, self.vocab_size, self.eos_token_ids).check(options.structured_output)
         return speculation
 
     def _resolve_mode(self, options: GenerationOptions) -> Speculation:

@@ -4,9 +4,10 @@ A router sends a batch of small items per tick -- prefills (prompt tokens) and v
 (just the drafts) -- and gets back one ``RoundOutcome`` per sequence: the accepted
 count, the committed tokens, their logprobs and the hidden-state anchor. Logits never
 leave this worker and the KV cache never moves: the worker keeps each sequence's
-committed tokens, options and sampling generator next to its KV pages, so a verify item
-is O(k). Verification itself is ``speculative/rounds.verify_on_target``, the same code the
-reference loop runs. The in-process engine and every target replica run this worker.
+committed tokens, options, sampling generator and grammar state (for a constrained
+output) next to its KV pages, so a verify item is O(k). Verification itself is
+``speculative/rounds.verify_on_target``, the same code the reference loop runs. The
+in-process engine and every target replica run this worker.
 
 Physical KV blocks are granted by the block ledger (in-process, or the KV-manager
 actor): a prefill carries the block ids reserved for the sequence and the cache uses
@@ -26,6 +27,8 @@ from engine.sched.calibration import measure_verify_costs
 from engine.sched.cost_tables import VerifyCostTable
 from engine.sched.verify_split import verify_groups
 from engine.errors import EngineError
+from engine.grammar.compiler import GrammarCompiler, grammar_compiler
+from engine.grammar.state import GrammarState
 from engine.options import GenerationOptions
 from engine.speculative.proposers.base import Needs
 from engine.speculative.proposers.shared_kv import shared_kv_slices
@@ -76,6 +79,7 @@ class _TargetSequence:
     needs: Needs
     rng: np.random.Generator
     rules: SequenceRules
+    grammar: GrammarState | None = None  # standing at ``tokens`` (its output part), if the output is constrained
 
 
 class TargetWorker:
@@ -132,12 +136,12 @@ class TargetWorker:
             out = self.target.feed_batch([FeedRequest(item.seq_id, feed, 0)])[0]
             rules = item.rules or SequenceRules.of(len(item.tokens), item.options, self.target.eos_token_ids)
             seq = _TargetSequence(list(item.tokens), item.options, item.needs,
-                                  np.random.default_rng(item.options.seed), rules)
+                                  np.random.default_rng(item.options.seed), rules, self._grammar(item, rules))
             if item.resume:
                 outcome = RoundOutcome(0, [], None, Anchor.from_output(out, -1, item.needs))
             else:
                 outcome = verify_on_target(self.target, item.seq_id, out, [], None, seq.tokens, item.options,
-                                           seq.rng, item.needs, rules)
+                                           seq.rng, item.needs, rules, seq.grammar)
                 if item.options.prompt_logprobs is not None:
                     outcome = dataclasses.replace(outcome, prompt_logprobs=prompt_logprobs(
                         self.target, out, item.tokens, item.options.prompt_logprobs))
@@ -147,6 +151,25 @@ class TargetWorker:
         except Exception as exc:  # noqa: BLE001 - reported to the one request that caused it
             self.release([item.seq_id])
             return TargetResult(item.seq_id, None, error=_describe(exc))
+
+    def grammars(self) -> GrammarCompiler:
+        """This model's grammar compiler (made on first use; a replica makes it at start-up,
+        so its first constrained request does not wait for it)."""
+        target = self.target
+        return grammar_compiler(target.tokenizer, target.decoder.vocab_size, target.eos_token_ids)
+
+    def _grammar(self, item: PrefillItem, rules: SequenceRules) -> GrammarState | None:
+        """The sequence's grammar state, compiled once per grammar for this model: at the
+        start of the output, or, for a sequence resuming here after its replica was lost,
+        rebuilt from the tokens it had committed (the pending one included: it was chosen
+        under the grammar)."""
+        spec = item.options.structured_output
+        if spec is None:
+            return None
+        grammar = self.grammars().start(spec)
+        if item.resume:
+            grammar.replay(item.tokens[rules.prompt_length:])
+        return grammar
 
     # -- verify --------------------------------------------------------------------------
     def _verify(self, items: list[VerifyItem]) -> list[TargetResult]:
@@ -178,7 +201,7 @@ class TargetWorker:
             try:
                 out = outputs[n] if outputs is not None else self.target.feed_batch([requests[n]])[0]
                 outcome = verify_on_target(self.target, item.seq_id, out, list(item.drafts), item.probs,
-                                           seq.tokens, seq.options, seq.rng, seq.needs, seq.rules)
+                                           seq.tokens, seq.options, seq.rng, seq.needs, seq.rules, seq.grammar)
             except Exception as exc:  # noqa: BLE001 - reported to the one request it belongs to
                 self.release([item.seq_id])
                 done[item.seq_id] = exc

@@ -22,6 +22,8 @@ from typing import Hashable
 import numpy as np
 
 from engine.errors import EngineError
+from engine.grammar.drafting import DraftGuide
+from engine.grammar.state import GrammarState
 from engine.model.cached_decoder import CachedDecoder, SequenceOutput
 from engine.options import GenerationOptions
 from engine.speculative.proposers.base import Needs, ProposerContext, SharedKvSlice
@@ -64,10 +66,12 @@ def drafts_allowed(state: SequenceState, num_drafts: int) -> int:
 
 
 def proposer_context(num_drafts: int, tokens: list[int], options: GenerationOptions, anchor: Anchor,
-                     rng: np.random.Generator | None, rules: SequenceRules | None = None) -> ProposerContext:
+                     rng: np.random.Generator | None, rules: SequenceRules | None = None,
+                     grammar: DraftGuide | None = None) -> ProposerContext:
     """What a proposer sees, built the same way by every caller."""
     return ProposerContext(num_drafts=num_drafts, context_tokens=tokens, options=options, target_hidden=anchor.final,
-                           target_hidden_layers=anchor.layers, shared_kv=anchor.shared_kv, rng=rng, rules=rules)
+                           target_hidden_layers=anchor.layers, shared_kv=anchor.shared_kv, rng=rng, rules=rules,
+                           grammar=grammar)
 
 
 def commit_outcome(state: SequenceState, outcome: "RoundOutcome") -> int:
@@ -107,11 +111,14 @@ def prompt_logprobs(target: CachedDecoder, out: SequenceOutput, prompt: list[int
 
 def verify_on_target(target: CachedDecoder, seq_id: Hashable, out: SequenceOutput, drafts: list[int],
                      probs: np.ndarray | None, context: list[int], options: GenerationOptions,
-                     rng: np.random.Generator, needs: Needs, rules: SequenceRules) -> RoundOutcome:
+                     rng: np.random.Generator, needs: Needs, rules: SequenceRules,
+                     grammar: GrammarState | None = None) -> RoundOutcome:
     """The half of a round that needs the target's logits: accept or reject the drafts
-    against the last ``len(drafts) + 1`` rows of ``out`` and rewind the rejected KV."""
+    against the last ``len(drafts) + 1`` rows of ``out`` (masked by the sequence's
+    ``grammar``, which moves on with the committed tokens: ``verify``) and rewind the
+    rejected KV."""
     rows = out.logits[-(len(drafts) + 1):]  # a prefill's last row, or a round's k + 1 rows
-    verdict = verify(rows, drafts, probs, context, options, rng, rules)
+    verdict = verify(rows, drafts, probs, context, options, rng, rules, grammar)
     rejected = len(drafts) - verdict.accepted
     if rejected:
         target.cache.rewind(seq_id, target.cache.length(seq_id) - rejected)

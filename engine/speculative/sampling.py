@@ -43,10 +43,12 @@ class SequenceRules:
 
 
 def processed_logits(logits: np.ndarray, context: Sequence[int], options: GenerationOptions,
-                     rules: SequenceRules | None = None) -> np.ndarray:
+                     rules: SequenceRules | None = None, allowed: np.ndarray | None = None) -> np.ndarray:
     """The logits a token is chosen from after ``context``, in vLLM's order: the bias and
     ``min_tokens``' mask first, then the repetition penalty (over the whole context), then
-    the presence and frequency penalties (over the generated tokens). ``rules`` None: the
+    the presence and frequency penalties (over the generated tokens), then the grammar's
+    mask (``allowed``: the tokens its state after ``context`` allows; last, so what it
+    forbids stays impossible whatever the rules before it did). ``rules`` None: the
     whole context is prompt (a drafter that does not know the sequence: its drafts only
     need to be good guesses). Float32, a new array only where something applies."""
     out = logits
@@ -66,17 +68,20 @@ def processed_logits(logits: np.ndarray, context: Sequence[int], options: Genera
         counts = np.bincount(tokens[tokens < vocab], minlength=vocab).astype(np.float32)
         out = out - (np.float32(options.frequency_penalty) * counts
                      + np.float32(options.presence_penalty) * (counts > 0).astype(np.float32))
+    if allowed is not None:
+        out = np.where(allowed, out, np.float32(-np.inf)).astype(np.float32, copy=False)
     return out
 
 
 def token_distribution(logits: np.ndarray, context: Sequence[int], options: GenerationOptions,
-                       rules: SequenceRules | None = None) -> np.ndarray:
-    """Sampling distribution (float64, sums to 1) after penalty, temperature, top-k, top-p.
+                       rules: SequenceRules | None = None, allowed: np.ndarray | None = None) -> np.ndarray:
+    """Sampling distribution (float64, sums to 1) after penalty, temperature, top-k, top-p
+    (and a grammar's mask, ``allowed``: see ``processed_logits``).
 
     Greedy requests get the one-hot distribution of their argmax, which makes greedy a
     special case of the same rule.
     """
-    scores = processed_logits(logits, context, options, rules).astype(np.float64)
+    scores = processed_logits(logits, context, options, rules, allowed).astype(np.float64)
     if options.greedy:
         probs = np.zeros_like(scores)
         probs[int(np.argmax(scores))] = 1.0

@@ -13,7 +13,9 @@ Token convention (one target pass per round): ``context_tokens`` are the committ
 tokens; the last of them (the *pending* token, the target's own choice) is not in the
 target's KV cache yet: the *guaranteed* token, which the round commits whatever the
 drafts (``ProposerContext.guaranteed_token``). Proposals hold
-only the drafts that follow it, at most ``num_drafts`` of them.
+only the drafts that follow it, at most ``num_drafts`` of them. Under a structured
+output a model-based proposer drafts only tokens its grammar allows
+(``ProposerContext.grammar``, ``engine/grammar/drafting.py``).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from engine.grammar.drafting import DraftGuide
 from engine.options import GenerationOptions
 from engine.speculative.sampling import SequenceRules
 
@@ -58,10 +61,17 @@ class ProposerContext:
     shared_kv: tuple[SharedKvSlice, ...] | None = None
     rng: np.random.Generator | None = None       # the request's generator, for sampling drafters
     rules: SequenceRules | None = None           # the sequence's logit rules (None: process as all prompt)
+    grammar: DraftGuide | None = None            # a constrained output's grammar, to draft only what it allows
 
     @property
     def guaranteed_token(self) -> int:
         return int(self.context_tokens[-1])
+
+    def kept(self, drafts: list[int]) -> list[int]:
+        """The drafts a proposal returns: at most ``num_drafts``, none past where the
+        grammar stopped them."""
+        drafts = drafts[: self.num_drafts]
+        return self.grammar.keep(drafts) if self.grammar is not None else drafts
 
     @property
     def width(self) -> int:

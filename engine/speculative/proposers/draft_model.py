@@ -82,7 +82,7 @@ class DraftModelProposer:
                 if q is not None:
                     probs[i].append(q)
             step += 1
-            drafting = [i for i in drafting if contexts[i].num_drafts > step]
+            drafting = [i for i in drafting if contexts[i].num_drafts > step and not _stopped(contexts[i])]
             if not drafting:
                 break
             try:
@@ -161,12 +161,23 @@ def align_groups(lengths: dict[int, int]) -> list[list[int]]:
 
 
 def _choose(logits: np.ndarray, prefix: list[int], context: ProposerContext) -> tuple[int, np.ndarray | None]:
-    """The next draft: greedy, or drawn from the draft's own distribution, reported as q."""
-    options = context.options
+    """The next draft: greedy, or drawn from the draft's own distribution, reported as q
+    -- under a grammar, over what it allows after the drafts before (q masked too)."""
+    options, guide = context.options, context.grammar
+    allowed = guide.allowed() if guide is not None else None
     if options.greedy:
-        return int(np.argmax(processed_logits(logits, prefix, options, context.rules))), None
-    q = token_distribution(logits, prefix, options, context.rules)
-    return sample(q, context.rng), q
+        token, q = int(np.argmax(processed_logits(logits, prefix, options, context.rules, allowed))), None
+    else:
+        q = token_distribution(logits, prefix, options, context.rules, allowed)
+        token = sample(q, context.rng)
+    if allowed is not None:
+        guide.take(token)
+    return token, q
+
+
+def _stopped(context: ProposerContext) -> bool:
+    """The grammar allows nothing after this sequence's last draft (it ended the output)."""
+    return context.grammar is not None and context.grammar.allowed() is None
 
 
 class DraftModelKind(ProposerKind):

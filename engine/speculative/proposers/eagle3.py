@@ -18,6 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from engine.errors import InvalidRequestError, ModelLoadError
+from engine.grammar.drafting import guided_choices
 from engine.model.bundle import Bundle
 from engine.model.heads import HeadModel
 from engine.speculative.proposers.base import Needs, Proposal, ProposerContext, StatelessProposer
@@ -37,7 +38,6 @@ class Eagle3Proposer(StatelessProposer):
             raise ModelLoadError(f"{head.directory}: hidden_chain '{self.chain}' is not one of {self.CHAINS}")
         geometry = head.past_geometry()
         self._empty = np.zeros((1, geometry.num_kv_heads, 0, geometry.head_dim), np.float32)
-
 
     batchable = True  # a fresh state every pass: any group of sequences can share one run per step
 
@@ -78,10 +78,11 @@ class Eagle3Proposer(StatelessProposer):
                  "past_key_values.0.value": past_value})
             if published and step == 0:
                 fused_in = np.zeros_like(fused_in)
-            previous = self.head.target_ids(np.argmax(logits[:, -1], axis=-1))
+            previous = self.head.target_ids(guided_choices(logits[:, -1], [c.grammar for c in contexts],
+                                                           self.head.draft_vocabulary))
             for row, token in zip(drafted, previous):
                 row.append(token)
-        return [Proposal(row[: c.num_drafts]) for row, c in zip(drafted, contexts)]
+        return [Proposal(c.kept(row)) for row, c in zip(drafted, contexts)]
 
 
 class Eagle3Kind(HeadKind):

@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from engine.errors import InvalidRequestError, ModelLoadError
+from engine.grammar.drafting import guided_choices
 from engine.model.heads import HeadModel
 from engine.speculative.proposers.base import Proposal, ProposerContext, StatelessProposer
 from engine.speculative.proposers.kind import HeadKind
@@ -62,12 +63,13 @@ class MtpProposer(StatelessProposer):
                  "past_key_values.0.key": past_key, "past_key_values.0.value": past_value})
             named = dict(zip(self._outputs, outs))
             logits = named["logits"][:, -1] if self._own_logits else self.head.lm_head.logits(named["mtp_hidden"][:, -1])
-            previous = self.head.target_ids(np.argmax(logits.reshape(batch, -1), axis=-1))
+            previous = self.head.target_ids(guided_choices(logits.reshape(batch, -1), [c.grammar for c in contexts],
+                                                           self.head.draft_vocabulary))
             for row, token in zip(drafted, previous):
                 row.append(token)
             if "mtp_hidden" in named:
                 hidden = named["mtp_hidden"]  # thread the head's own hidden state to the next step
-        return [Proposal(row[: c.num_drafts]) for row, c in zip(drafted, contexts)]
+        return [Proposal(c.kept(row)) for row, c in zip(drafted, contexts)]
 
 
 class MtpKind(HeadKind):

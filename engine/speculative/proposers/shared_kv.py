@@ -24,6 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from engine.errors import InvalidRequestError, ModelLoadError
+from engine.grammar.drafting import guided_choices
 from engine.kv.paged_cache import PagedKVCache
 from engine.model.bundle import Bundle
 from engine.model.heads import HeadModel
@@ -111,10 +112,11 @@ class SharedKvProposer(StatelessProposer):
             if bootstrap and step == 0:
                 last = [c.guaranteed_token for c in contexts]  # bootstrap: its own draft is discarded
             else:
-                last = self.head.target_ids(np.argmax(logits[:, -1], axis=-1))
+                last = self.head.target_ids(guided_choices(logits[:, -1], [c.grammar for c in contexts],
+                                                           self.head.draft_vocabulary))
                 for row, token in zip(drafted, last):
                     row.append(token)
-        return [Proposal(row[: c.num_drafts]) for row, c in zip(drafted, contexts)]
+        return [Proposal(c.kept(row)) for row, c in zip(drafted, contexts)]
 
 
 class SharedKvKind(HeadKind):
