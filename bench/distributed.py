@@ -6,7 +6,9 @@
 For each server configuration (``--configs``: ``fixed`` is serve_config.yaml's shape,
 ``autoscaled`` every target and proposer deployment autoscaled between 1 and 2 replicas on
 their own load, ``token-events`` the fixed one streaming one SSE event per token instead
-of one per write), each mode and each concurrency it runs that many streaming requests at
+of one per write, ``gpu-yaml`` cluster/serve_config.gpu.yaml's CPU variant, best with
+``--three-nodes``: a local Ray cluster of three nodes advertising the custom resources
+that config places by), each mode and each concurrency it runs that many streaming requests at
 once (held-out prompts: chat prompts in the model's template, or the fixture's code
 prompts; greedy, EOS ignored) in-process through ``Engine.generate`` from threads and
 through the OpenAI streaming API on 127.0.0.1, and prints aggregate tokens/s, time to
@@ -166,7 +168,7 @@ def breakdown(before: dict, after: dict, round_ms: float) -> str:
         parts.append(f"in-router drafting {ms(d['propose_s']):.1f}")
     other = tick - ms(d["propose_s"] + d["target_s"])
     parts.append(f"router tick bookkeeping {other:.1f}")
-    return ", ".join(parts)
+    return ", ".join(parts) + f"; {rounds / max(d['ticks'], 1):.2f} rounds a tick"
 
 
 # -- CPU time by process ---------------------------------------------------------------------
@@ -175,13 +177,31 @@ PROCESS_ROLES = (("ProxyActor", "HTTP proxy"), (":Router", "router"), ("TargetSt
                  ("Proposer", "replica shells"), ("ServeController", "Serve controller"))
 
 
+def _descendants(root: int) -> set[str]:
+    """Processes below ``root``: the Ray this bench started runs under it (its raylets and
+    their workers), and other Ray instances on a shared machine do not."""
+    children: dict[str, list[str]] = defaultdict(list)
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            children[Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]].append(pid)
+        except OSError:
+            continue
+    found, todo = set(), [str(root)]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
 def ray_process_cpu() -> dict[str, float]:
-    """CPU seconds so far of this machine's Ray actor processes, summed by role (their
-    titles, ``ray::ServeReplica:app:Deployment`` / ``ray::ActorClass...``), and of this
-    process (the benchmark's HTTP client)."""
+    """CPU seconds so far of the Ray actor processes this bench started, summed by role
+    (their titles, ``ray::ServeReplica:app:Deployment`` / ``ray::ActorClass...``), and of
+    this process (the benchmark's HTTP client)."""
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = defaultdict(float)
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid in _descendants(os.getpid()):
         try:
             title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
             if not title.startswith("ray::"):
@@ -224,9 +244,64 @@ def server_args(config: str, args: argparse.Namespace, modes: list[str], model: 
             if m != "none" and not PROPOSER_KINDS[m].in_coordinator}}
     elif config == "token-events":  # fixed, with one SSE event per token instead of one per write
         out["stream_events"] = "token"
+    elif config == "gpu-yaml":
+        return gpu_config_on_cpu(model, modes)
     elif config != "fixed":
-        raise SystemExit(f"unknown configuration {config!r} (fixed, autoscaled, token-events)")
+        raise SystemExit(f"unknown configuration {config!r} (fixed, autoscaled, token-events, gpu-yaml)")
     return out
+
+
+def gpu_config_on_cpu(model: Path, modes: list[str]) -> dict:
+    """cluster/serve_config.gpu.yaml's application, its CPU variant: the model measured,
+    on CPU (its bundles without GPUs, the target worker with serve_config.yaml's CPUs),
+    its deployments' options as the file gives them -- custom resources and autoscaling
+    included -- less those of proposers the model does not have."""
+    import yaml
+
+    from engine.speculative.proposers.registry import PROPOSER_KINDS
+
+    app = yaml.safe_load((ROOT / "cluster/serve_config.gpu.yaml").read_text())["applications"][0]
+    args = app["args"]
+    args["model_dir"] = str(model)
+    args["engine"]["device"] = "cpu"
+    speculative = args["engine"].setdefault("speculative", {})
+    speculative["default_mode"] = "auto"
+    speculative["load"] = [m for m in speculative.get("load") or () if m in modes]
+    made = {"Router", "TargetModel"} | {PROPOSER_KINDS[m].deployment for m in speculative["load"]}
+    cpu_target = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["deployments"]
+    target_cpus = next(d for d in cpu_target if d["name"] == "TargetModel")["placement_group_bundles"][1]["CPU"]
+    overrides = {}
+    for deployment in app["deployments"]:
+        name = deployment.pop("name")
+        if name not in made:
+            continue
+        for bundle in deployment.get("placement_group_bundles", []):
+            bundle.pop("GPU", None)
+        if name == "TargetModel":
+            deployment["placement_group_bundles"][1]["CPU"] = target_cpus
+        overrides[name] = deployment
+    args["deployment_overrides"] = overrides
+    return args
+
+
+# What cluster/serve_config.gpu.yaml places by: each node advertises the custom resource its
+# deployments ask for (cluster/README.md), here three Ray nodes on this machine.
+THREE_NODES = [{"num_cpus": 4, "resources": {"specserve_head": 100}},
+               {"num_cpus": 4, "resources": {"specserve_target": 1}},
+               {"num_cpus": 4, "resources": {"specserve_proposer": 4}}]
+
+
+def start_three_nodes():
+    """A local Ray cluster of three nodes (head, a target node, a proposer node), joined."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    common = {"node_ip_address": "127.0.0.1", "object_store_memory": 512 * 1024 * 1024}
+    cluster = Cluster(initialize_head=True, head_node_args={**THREE_NODES[0], **common, "include_dashboard": False})
+    for node in THREE_NODES[1:]:
+        cluster.add_node(**node, **common)
+    ray.init(address=cluster.address, logging_level="WARNING")
+    return cluster
 
 
 @dataclass
@@ -269,6 +344,8 @@ def main() -> None:
     parser.add_argument("--plain-steps", type=int, default=None,
                         help="scheduler.plain_steps on both sides (default: the engine's)")
     parser.add_argument("--cpu-streams", type=int, default=16, help="streams at which CPU per token is read (0: not)")
+    parser.add_argument("--three-nodes", action="store_true",
+                        help="serve on a local Ray cluster of three nodes with the GPU config's custom resources")
     parser.add_argument("--port", type=int, default=8311)
     record.add_option(parser)
     args = parser.parse_args()
@@ -299,7 +376,9 @@ def run(args: argparse.Namespace) -> None:
     from ray import serve
 
     from cluster.local import serve_local, start_local_ray
-    start_local_ray()
+    cluster = start_three_nodes() if args.three_nodes else None
+    if cluster is None:
+        start_local_ray()
     base = f"http://127.0.0.1:{args.port}"
     cells: dict[tuple[str, str, int], Cell] = defaultdict(Cell)
     notes: list[str] = []
@@ -345,12 +424,15 @@ def run(args: argparse.Namespace) -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
         engine.close()
     report(args, modes, cells, notes, mismatches, engine.config.scheduler.plain_steps)
 
 
 def report(args, modes: list[str], cells: dict, notes: list[str], mismatches: int, plain_steps: int) -> None:
-    print(f"\n{args.model.name}: {args.new_tokens} new tokens per request, greedy, EOS ignored, "
+    where = "a local 3-node Ray cluster (head, target node, proposer node)" if args.three_nodes else "one Ray node"
+    print(f"\n{args.model.name} on {where}: {args.new_tokens} new tokens per request, greedy, EOS ignored, "
           f"{args.requests_per_stream} request(s) per stream, each cell {args.repeats}x alternating in-process and "
           f"served; in-process {args.threads} threads; server lanes {args.lanes}, stream interval "
           f"{args.stream_interval}, write budget {args.stream_writes_per_s or 'none'}/s, plain steps {plain_steps}. "
