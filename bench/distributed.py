@@ -1,29 +1,40 @@
-"""Distributed server (Ray Serve, real HTTP) vs. the in-process engine, on the bundled models.
+"""The server (Ray Serve, real HTTP) against the in-process engine, interleaved, on the default model.
 
-    .venv/bin/python bench/distributed.py [--modes none eagle3] [--new-tokens 64] [--streams 1 4 16] [--lanes 2]
-        [--record DIR]
+    .venv/bin/python bench/distributed.py [--model DIR] [--modes none prompt_lookup] [--streams 1 4 16 32]
+        [--new-tokens 64] [--repeats 2] [--configs fixed autoscaled] [--cpu-streams 16] [--record DIR]
 
-For each concurrency it runs that many streaming requests at once (held-out prompts,
-greedy, EOS ignored) -- in-process through ``Engine.generate`` from threads (continuous
-batching), distributed through the OpenAI streaming API on 127.0.0.1 -- and prints
-aggregate tokens/s, mean time to first token and mean inter-token latency. Every
-distributed output is checked token-for-token against the in-process one. The round
-overhead is the extra wall time per round the distribution adds at one stream, broken
-down from the router's tick timer and the workers' own timers (counter differences over
-the one-stream run): outside the tick (HTTP/SSE, the router's loop), each hop (router
-call minus the worker's time), the workers' object-store traffic and their model
-compute. The in-process numbers are measured first, before Ray starts, so the two
-never share the cores.
+For each server configuration (``--configs``: ``fixed`` is serve_config.yaml's shape,
+``autoscaled`` every target and proposer deployment autoscaled between 1 and 2 replicas on
+their own load, ``token-events`` the fixed one streaming one SSE event per token instead
+of one per write, ``gpu-yaml`` cluster/serve_config.gpu.yaml's CPU variant, best with
+``--three-nodes``: a local Ray cluster of three nodes advertising the custom resources
+that config places by), each mode and each concurrency it runs that many streaming requests at
+once (held-out prompts: chat prompts in the model's template, or the fixture's code
+prompts; greedy, EOS ignored) in-process through ``Engine.generate`` from threads and
+through the OpenAI streaming API on 127.0.0.1, and prints aggregate tokens/s, time to
+first token and inter-token latency. The two take turns cell by cell, each cell
+``--repeats`` times in alternating order (in-process first, then served first), so the
+machine's drift falls on both; the spread of the per-repeat ratio says how noisy a cell
+was. Every served output is checked token-for-token against the in-process one.
+
+At one stream the bench breaks a served round down from the router's tick timer and the
+workers' own timers (outside the tick: HTTP/SSE and the router's loop; each hop: the
+router's call minus the worker's time; the workers' object-store traffic; their model
+compute). At ``--cpu-streams`` it reads each Ray process's CPU time from /proc around the
+served cell and prints CPU milliseconds per token by process (HTTP proxy, router, target
+worker, proposer workers, the client).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
 from engine import Engine, EngineConfig, GenerationOptions  # noqa: E402
+from engine.model.default_model import DEFAULT_MODEL_DIR  # noqa: E402
 
 
 @dataclass
@@ -57,6 +69,7 @@ class Level:
     itl_ms: float
     ms_per_round: float
     results: list[StreamResult]
+    seconds: float = 0.0
 
 
 def measure(run_one, prompts: list[str], streams: int, rounds_per_level: int) -> Level:
@@ -66,10 +79,10 @@ def measure(run_one, prompts: list[str], streams: int, rounds_per_level: int) ->
         results = list(pool.map(run_one, jobs))
     elapsed = time.perf_counter() - started
     tokens = sum(len(r.token_ids) for r in results)
-    one = [r for r in results]
-    return Level(streams, tokens / elapsed, 1000 * statistics.mean(r.ttft for r in one),
-                 1000 * statistics.mean(r.itl for r in one),
-                 1000 * statistics.mean((r.stamps[-1] - r.started) / max(1, r.rounds + 1) for r in one), results)
+    return Level(streams, tokens / elapsed, 1000 * statistics.mean(r.ttft for r in results),
+                 1000 * statistics.mean(r.itl for r in results),
+                 1000 * statistics.mean((r.stamps[-1] - r.started) / max(1, r.rounds + 1) for r in results), results,
+                 elapsed)
 
 
 def in_process_runner(engine: Engine, options: GenerationOptions):
@@ -99,14 +112,16 @@ def server_runner(base_url: str, mode: str, new_tokens: int):
                 chunk = json.loads(line[6:])
                 if chunk.get("speculative"):
                     rounds = chunk["speculative"]["rounds"]
+                now = time.perf_counter()
                 for choice in chunk.get("choices", []):
                     for token in choice.get("token_ids", []):
                         ids.append(token)
-                        stamps.append(time.perf_counter())
+                        stamps.append(now)
         return StreamResult(ids, started, stamps, rounds)
     return run
 
 
+# -- where a served round's time goes ------------------------------------------------------
 def snapshot(base_url: str, mode: str) -> dict[str, float]:
     """Cumulative timers: the router's ticks and the target's and ``mode``'s proposer's workers."""
     from urllib.request import urlopen
@@ -117,7 +132,8 @@ def snapshot(base_url: str, mode: str) -> dict[str, float]:
 
     status = json.loads(urlopen(f"{base_url}/specserve/status").read())
     target = serve.get_deployment_handle("TargetModel", "specserve").kv_usage.remote().result()
-    out = {"ticks": status["ticks"], "rounds": status["sequence_rounds"], "tick_s": status["mean_tick_ms"] * status["ticks"] / 1000,
+    out = {"ticks": status["ticks"], "rounds": status["sequence_rounds"],
+           "tick_s": status["mean_tick_ms"] * status["ticks"] / 1000,
            "propose_s": status["mean_propose_ms"] * status["ticks"] / 1000,
            "target_s": status["mean_target_ms"] * status["ticks"] / 1000,
            "target_steps": target["steps"], "target_step_s": target["step_s"], "target_compute_s": target["compute_s"],
@@ -131,7 +147,8 @@ def snapshot(base_url: str, mode: str) -> dict[str, float]:
 
 def breakdown(before: dict, after: dict, round_ms: float) -> str:
     """Per-round milliseconds at one stream (one sequence per tick; with plain_steps > 1 a
-    tick runs several of its rounds, and its costs are spread over them)."""
+    tick runs several of its rounds, and its costs are spread over them). With one target
+    replica: the target's counters are that replica's."""
     d = {k: after[k] - before[k] for k in after}
     rounds = max(d["rounds"], 1)
 
@@ -151,98 +168,292 @@ def breakdown(before: dict, after: dict, round_ms: float) -> str:
         parts.append(f"in-router drafting {ms(d['propose_s']):.1f}")
     other = tick - ms(d["propose_s"] + d["target_s"])
     parts.append(f"router tick bookkeeping {other:.1f}")
-    return ", ".join(parts)
+    return ", ".join(parts) + f"; {rounds / max(d['ticks'], 1):.2f} rounds a tick"
+
+
+# -- CPU time by process ---------------------------------------------------------------------
+PROCESS_ROLES = (("ProxyActor", "HTTP proxy"), (":Router", "router"), ("TargetStepper", "target worker"),
+                 ("ProposerStepper", "proposer workers"), (":TargetModel", "replica shells"),
+                 ("Proposer", "replica shells"), ("ServeController", "Serve controller"))
+
+
+def _descendants(root: int) -> set[str]:
+    """Processes below ``root``: the Ray this bench started runs under it (its raylets and
+    their workers), and other Ray instances on a shared machine do not."""
+    children: dict[str, list[str]] = defaultdict(list)
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            children[Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]].append(pid)
+        except OSError:
+            continue
+    found, todo = set(), [str(root)]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def ray_process_cpu() -> dict[str, float]:
+    """CPU seconds so far of the Ray actor processes this bench started, summed by role
+    (their titles, ``ray::ServeReplica:app:Deployment`` / ``ray::ActorClass...``), and of
+    this process (the benchmark's HTTP client)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = defaultdict(float)
+    for pid in _descendants(os.getpid()):
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            if not title.startswith("ray::"):
+                continue
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        role = next((name for key, name in PROCESS_ROLES if key in title), None)
+        if role is not None:
+            out[role] += (int(fields[11]) + int(fields[12])) / tick
+    usage = os.times()
+    out["client (this process)"] = usage.user + usage.system
+    return out
+
+
+def cpu_per_token(before: dict[str, float], after: dict[str, float], tokens: int) -> str:
+    parts = [f"{role} {1000 * (after[role] - before.get(role, 0.0)) / tokens:.2f}" for role in after]
+    total = sum(after[role] - before.get(role, 0.0) for role in after)
+    return f"{1000 * total / tokens:.2f} ms CPU per token = " + ", ".join(parts)
+
+
+# -- server configurations -----------------------------------------------------------------
+def server_args(config: str, args: argparse.Namespace, modes: list[str], model: Path) -> dict:
+    """The application's args for one measured configuration."""
+    from deployments.autoscaling import replica_load_autoscaling
+    from engine.speculative.proposers.registry import PROPOSER_KINDS
+
+    scheduler = {"lanes": args.lanes, **({} if args.plain_steps is None else {"plain_steps": args.plain_steps})}
+    out = {"model_dir": str(model), "stream_interval": args.stream_interval,
+           "stream_writes_per_s": args.stream_writes_per_s or None,
+           "engine": {"device": "cpu", "intra_op_threads": args.target_threads, "scheduler": scheduler,
+                      "speculative": {"default_mode": "auto"}}}
+    if config == "autoscaled":  # min 1, max 2; one replica's worth of load from the start, so at most streams
+        target = replica_load_autoscaling(1, 2, target_sequences=max(args.streams), target_kv_fraction=0.8,
+                                          upscale_delay_s=5, downscale_delay_s=30)
+        proposer = replica_load_autoscaling(1, 2, target_sequences=max(args.streams), upscale_delay_s=5,
+                                            downscale_delay_s=30)
+        out["deployment_overrides"] = {"TargetModel": {"autoscaling_config": target}, **{
+            PROPOSER_KINDS[m].deployment: {"autoscaling_config": proposer} for m in modes
+            if m != "none" and not PROPOSER_KINDS[m].in_coordinator}}
+    elif config == "token-events":  # fixed, with one SSE event per token instead of one per write
+        out["stream_events"] = "token"
+    elif config == "gpu-yaml":
+        return gpu_config_on_cpu(model, modes)
+    elif config != "fixed":
+        raise SystemExit(f"unknown configuration {config!r} (fixed, autoscaled, token-events, gpu-yaml)")
+    return out
+
+
+def gpu_config_on_cpu(model: Path, modes: list[str]) -> dict:
+    """cluster/serve_config.gpu.yaml's application, its CPU variant: the model measured,
+    on CPU (its bundles without GPUs, the target worker with serve_config.yaml's CPUs),
+    its deployments' options as the file gives them -- custom resources and autoscaling
+    included -- less those of proposers the model does not have."""
+    import yaml
+
+    from engine.speculative.proposers.registry import PROPOSER_KINDS
+
+    app = yaml.safe_load((ROOT / "cluster/serve_config.gpu.yaml").read_text())["applications"][0]
+    args = app["args"]
+    args["model_dir"] = str(model)
+    args["engine"]["device"] = "cpu"
+    speculative = args["engine"].setdefault("speculative", {})
+    speculative["default_mode"] = "auto"
+    speculative["load"] = [m for m in speculative.get("load") or () if m in modes]
+    made = {"Router", "TargetModel"} | {PROPOSER_KINDS[m].deployment for m in speculative["load"]}
+    cpu_target = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["deployments"]
+    target_cpus = next(d for d in cpu_target if d["name"] == "TargetModel")["placement_group_bundles"][1]["CPU"]
+    overrides = {}
+    for deployment in app["deployments"]:
+        name = deployment.pop("name")
+        if name not in made:
+            continue
+        for bundle in deployment.get("placement_group_bundles", []):
+            bundle.pop("GPU", None)
+        if name == "TargetModel":
+            deployment["placement_group_bundles"][1]["CPU"] = target_cpus
+        overrides[name] = deployment
+    args["deployment_overrides"] = overrides
+    return args
+
+
+# What cluster/serve_config.gpu.yaml places by: each node advertises the custom resource its
+# deployments ask for (cluster/README.md), here three Ray nodes on this machine.
+THREE_NODES = [{"num_cpus": 4, "resources": {"specserve_head": 100}},
+               {"num_cpus": 4, "resources": {"specserve_target": 1}},
+               {"num_cpus": 4, "resources": {"specserve_proposer": 4}}]
+
+
+def start_three_nodes():
+    """A local Ray cluster of three nodes (head, a target node, a proposer node), joined."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    common = {"node_ip_address": "127.0.0.1", "object_store_memory": 512 * 1024 * 1024}
+    cluster = Cluster(initialize_head=True, head_node_args={**THREE_NODES[0], **common, "include_dashboard": False})
+    for node in THREE_NODES[1:]:
+        cluster.add_node(**node, **common)
+    ray.init(address=cluster.address, logging_level="WARNING")
+    return cluster
+
+
+@dataclass
+class Cell:
+    local: list[Level] = field(default_factory=list)
+    served: list[Level] = field(default_factory=list)
+
+    @staticmethod
+    def _rate(levels: list[Level]) -> float:
+        return sum(sum(len(r.token_ids) for r in lv.results) for lv in levels) / sum(lv.seconds for lv in levels)
+
+    @property
+    def local_rate(self) -> float:
+        return self._rate(self.local)
+
+    @property
+    def served_rate(self) -> float:
+        return self._rate(self.served)
+
+    def spread(self) -> str:
+        ratios = [s.tokens_per_s / lo.tokens_per_s for s, lo in zip(self.served, self.local)]
+        return f"{min(ratios):.2f}-{max(ratios):.2f}" if len(ratios) > 1 else "-"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", nargs="+", default=["none", "eagle3"])
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
+    parser.add_argument("--modes", nargs="+", default=None, help="default: every mode the model serves")
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--requests-per-stream", type=int, default=2)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16, 32])
+    parser.add_argument("--requests-per-stream", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=2, help="measurements of each cell, order alternating")
+    parser.add_argument("--configs", nargs="+", default=["fixed", "autoscaled"])
+    parser.add_argument("--threads", type=int, default=2, help="in-process onnxruntime threads")
     parser.add_argument("--lanes", type=int, default=2)
-    parser.add_argument("--target-threads", type=int, default=None, help="target onnxruntime threads (server)")
+    parser.add_argument("--target-threads", type=int, default=None, help="target worker threads (server)")
     parser.add_argument("--stream-interval", type=int, default=1, help="server: tokens per stream write")
     parser.add_argument("--stream-writes-per-s", type=float, default=250.0,
                         help="server: the router's stream-write budget (0 = none)")
     parser.add_argument("--plain-steps", type=int, default=None,
                         help="scheduler.plain_steps on both sides (default: the engine's)")
+    parser.add_argument("--cpu-streams", type=int, default=16, help="streams at which CPU per token is read (0: not)")
+    parser.add_argument("--three-nodes", action="store_true",
+                        help="serve on a local Ray cluster of three nodes with the GPU config's custom resources")
     parser.add_argument("--port", type=int, default=8311)
     record.add_option(parser)
     args = parser.parse_args()
-    with record.recording(args.record, "distributed", model=ROOT / "models/fixture"):
+    with record.recording(args.record, "distributed", model=args.model):
         run(args)
 
 
-def run(args: argparse.Namespace) -> None:
-    prompts = [p["prompt"] for p in json.loads((ROOT / "tests/data/heldout_prompts.json").read_text())]
-    used = {prompts[i % len(prompts)] for i in range(max(args.streams) * args.requests_per_stream)}
+def held_out_prompts(engine: Engine) -> list[str]:
+    """Chat prompts in the model's template where it has one, else the fixture's code prompts."""
+    if engine.chat_template._compiled is not None:
+        chats = json.loads((ROOT / "tests/data/heldout_chat_prompts.json").read_text())
+        return [engine.chat_template.render(c["messages"]) for c in chats]
+    return [p["prompt"] for p in json.loads((ROOT / "tests/data/heldout_prompts.json").read_text())]
 
+
+def run(args: argparse.Namespace) -> None:
     scheduler = {} if args.plain_steps is None else {"plain_steps": args.plain_steps}
-    engine = Engine(ROOT / "models/fixture", EngineConfig(device="cpu", scheduler=scheduler))
-    local, expected, solo = {}, {}, {}
-    for mode in args.modes:
-        run_local = in_process_runner(engine, GenerationOptions(max_new_tokens=args.new_tokens, ignore_eos=True,
-                                                                speculative_mode=mode))
-        run_local(prompts[0])  # warm-up
-        local[mode] = {n: measure(run_local, prompts, n, args.requests_per_stream) for n in args.streams}
-        expected[mode] = {p: run_local(p).token_ids for p in used}
-        solo[mode] = statistics.mean(len(r.token_ids) / (r.stamps[-1] - r.started)
-                                     for r in local[mode][1].results) if 1 in args.streams else None
-    engine_plain_steps = engine.config.scheduler.plain_steps
-    engine.close()  # stop its loop thread before the server takes the cores
-    del engine
+    engine = Engine(args.model, EngineConfig(device="cpu", intra_op_threads=args.threads, scheduler=scheduler))
+    modes = args.modes or engine.available_modes
+    prompts = held_out_prompts(engine)
+    options = {mode: GenerationOptions(max_new_tokens=args.new_tokens, ignore_eos=True, temperature=0,
+                                       speculative_mode=mode) for mode in modes}
+    expected: dict[str, dict[str, list[int]]] = {mode: {} for mode in modes}
+    for mode in modes:
+        in_process_runner(engine, options[mode])(prompts[0])  # warm-up
 
     import ray
     from ray import serve
 
     from cluster.local import serve_local, start_local_ray
-    start_local_ray()
-    serve_local({"model_dir": "models/fixture", "stream_interval": args.stream_interval,
-                 "stream_writes_per_s": args.stream_writes_per_s or None, "engine": {
-        "device": "cpu", "intra_op_threads": args.target_threads, "scheduler": {"lanes": args.lanes, **scheduler},
-        "speculative": {"default_mode": "auto"}}}, port=args.port)
+    cluster = start_three_nodes() if args.three_nodes else None
+    if cluster is None:
+        start_local_ray()
     base = f"http://127.0.0.1:{args.port}"
-    remote, breakdowns, mismatches = {}, {}, 0
-    for mode in args.modes:
-        run_remote = server_runner(base, mode, args.new_tokens)
-        for prompt in prompts[:4]:
-            run_remote(prompt)  # warm-up: first calls pay connection and replica start-up costs
-        remote[mode] = {}
-        for n in args.streams:
-            before = snapshot(base, mode) if n == 1 else None
-            remote[mode][n] = measure(run_remote, prompts, n, args.requests_per_stream)
-            if before is not None:
-                breakdowns[mode] = breakdown(before, snapshot(base, mode), remote[mode][1].ms_per_round)
-        mismatches += sum(r.token_ids != expected[mode][prompts[i % len(prompts)]]
-                          for level in remote[mode].values() for i, r in enumerate(level.results))
-    serve.shutdown()
-    ray.shutdown()
+    cells: dict[tuple[str, str, int], Cell] = defaultdict(Cell)
+    notes: list[str] = []
+    mismatches = 0
+    try:
+        for config in args.configs:
+            serve_local(server_args(config, args, modes, args.model), port=args.port)
+            for mode in modes:
+                run_local, run_served = in_process_runner(engine, options[mode]), server_runner(base, mode,
+                                                                                                args.new_tokens)
+                for prompt in prompts[:4]:
+                    run_served(prompt)  # warm-up: first calls pay connection and replica start-up costs
+                for n in args.streams:
+                    cell = cells[(config, mode, n)]
+                    for repeat in range(args.repeats):
+                        order = ("local", "served") if repeat % 2 == 0 else ("served", "local")
+                        for side in order:
+                            if side == "local":
+                                cell.local.append(measure(run_local, prompts, n, args.requests_per_stream))
+                                continue
+                            before = snapshot(base, mode) if n == 1 and repeat == 0 else None
+                            cpu = ray_process_cpu() if n == args.cpu_streams and repeat == 0 else None
+                            level = measure(run_served, prompts, n, args.requests_per_stream)
+                            cell.served.append(level)
+                            if before is not None:
+                                notes.append(f"{config}, {mode}, one stream: "
+                                             f"{breakdown(before, snapshot(base, mode), level.ms_per_round)}")
+                            if cpu is not None:
+                                tokens = sum(len(r.token_ids) for r in level.results)
+                                notes.append(f"{config}, {mode}, {n} streams: "
+                                             f"{cpu_per_token(cpu, ray_process_cpu(), tokens)}")
+                    for level in cell.local:
+                        for i, r in enumerate(level.results):
+                            expected[mode].setdefault(prompts[i % len(prompts)], r.token_ids)
+                    mismatches += sum(r.token_ids != expected[mode][prompts[i % len(prompts)]]
+                                      for level in cell.local + cell.served for i, r in enumerate(level.results))
+                    print(f"{config} {mode} {n} streams: in-process {cell.local_rate:.1f}, served "
+                          f"{cell.served_rate:.1f} tok/s", file=sys.stderr, flush=True)
+            if config == "autoscaled":
+                replicas = {name: d.replica_states.get("RUNNING", 0) for name, d in
+                            serve.status().applications["specserve"].deployments.items()}
+                notes.append(f"autoscaled: running replicas at the end {replicas}")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+        engine.close()
+    report(args, modes, cells, notes, mismatches, engine.config.scheduler.plain_steps)
 
-    print(f"\n{args.new_tokens} new tokens per request, {args.requests_per_stream} requests per stream, lanes "
-          f"{args.lanes}, stream interval {args.stream_interval}, write budget "
-          f"{args.stream_writes_per_s or 'none'}/s, plain steps "
-          f"{engine_plain_steps}; every distributed output token-identical to in-process: "
-          f"{'yes' if mismatches == 0 else f'NO ({mismatches} differ)'}\n")
-    print("| mode | streams | in-process tok/s | distributed tok/s | ratio | in-process TTFT / ITL ms "
-          "| distributed TTFT / ITL ms |")
-    print("|---|---|---|---|---|---|---|")
-    for mode in args.modes:
-        for n in args.streams:
-            a, b = local[mode][n], remote[mode][n]
-            print(f"| {mode} | {n} | {a.tokens_per_s:.1f} | {b.tokens_per_s:.1f} | "
-                  f"{b.tokens_per_s / a.tokens_per_s:.2f}x | {a.ttft_ms:.1f} / {a.itl_ms:.2f} "
-                  f"| {b.ttft_ms:.1f} / {b.itl_ms:.2f} |")
-    for mode in args.modes:
-        if 1 not in args.streams:
-            break
-        overhead = remote[mode][1].ms_per_round - local[mode][1].ms_per_round
-        print(f"\n{mode}, one stream: in-process {local[mode][1].ms_per_round:.1f} ms per round, distributed "
-              f"{remote[mode][1].ms_per_round:.1f} ms -> distribution adds {overhead:.1f} ms per round")
-        print(f"  {breakdowns[mode]}")
-        top = max(args.streams)
-        print(f"  distributed aggregate at {top} streams {remote[mode][top].tokens_per_s:.1f} tok/s vs in-process "
-              f"single-stream {solo[mode]:.1f} tok/s")
+
+def report(args, modes: list[str], cells: dict, notes: list[str], mismatches: int, plain_steps: int) -> None:
+    where = "a local 3-node Ray cluster (head, target node, proposer node)" if args.three_nodes else "one Ray node"
+    print(f"\n{args.model.name} on {where}: {args.new_tokens} new tokens per request, greedy, EOS ignored, "
+          f"{args.requests_per_stream} request(s) per stream, each cell {args.repeats}x alternating in-process and "
+          f"served; in-process {args.threads} threads; server lanes {args.lanes}, stream interval "
+          f"{args.stream_interval}, write budget {args.stream_writes_per_s or 'none'}/s, plain steps {plain_steps}. "
+          f"Every served output token-identical to in-process: {'yes' if mismatches == 0 else f'NO ({mismatches})'}\n")
+    print("| config | mode | streams | in-process tok/s | served tok/s | served / in-process (per-repeat range) "
+          "| served / served target-only | in-process TTFT / ITL ms | served TTFT / ITL ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for config in args.configs:
+        for mode in modes:
+            for n in args.streams:
+                cell = cells[(config, mode, n)]
+                base = cells.get((config, "none", n))
+                vs_none = f"{cell.served_rate / base.served_rate:.2f}" if base is not None and mode != "none" else "-"
+                lo, sv = cell.local, cell.served
+                print(f"| {config} | {mode} | {n} | {cell.local_rate:.1f} | {cell.served_rate:.1f} | "
+                      f"{cell.served_rate / cell.local_rate:.2f} ({cell.spread()}) | {vs_none} | "
+                      f"{statistics.mean(x.ttft_ms for x in lo):.0f} / {statistics.mean(x.itl_ms for x in lo):.1f} | "
+                      f"{statistics.mean(x.ttft_ms for x in sv):.0f} / {statistics.mean(x.itl_ms for x in sv):.1f} |")
+    print()
+    for note in notes:
+        print(f"- {note}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ it with the deployment. Target replicas register their pools with it (and, after
 restart, their live grants) and the worker actor that serves each pool; routers admit
 and release through it and learn there which worker to call for a replica's sequences.
 It is never on a round's critical path: it is called once per request to admit and once
-to release (and once per new replica to find its worker).
+to release (and once per new replica to find its worker). A replica that Serve is
+stopping drains: its pool takes no new admissions while its sequences finish.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class KVManager:
     def __init__(self, admission_timeout_s: float = 30.0) -> None:
         self.admission = Admission(admission_timeout_s)
         self.workers: dict[str, object] = {}  # replica -> the worker actor holding its pool
+        self.draining: set[str] = set()  # replicas being stopped: no new admissions
 
     async def register_pool(self, replica: str, num_blocks: int, block_size: int,
                             live: dict[Hashable, list[int]] | None = None, worker=None) -> None:
@@ -37,8 +39,14 @@ class KVManager:
     async def has_pool(self, replica: str) -> bool:
         return self.admission.ledger.has_pool(replica)
 
+    async def drain_pool(self, replica: str) -> None:
+        """Admit nothing more to this replica's pool (Serve is stopping it)."""
+        self.draining.add(replica)
+        log.info("target replica %s drains: no new admissions", replica)
+
     async def drop_pool(self, replica: str) -> list[Hashable]:
         self.workers.pop(replica, None)
+        self.draining.discard(replica)
         return await self.admission.drop_pool(replica)
 
     async def worker(self, replica: str):
@@ -47,14 +55,14 @@ class KVManager:
 
     async def admit(self, seq_id: Hashable, tokens: int, avoid: Sequence[str] = ()) -> Grant:
         """Reserve KV for a request, waiting up to the admission timeout for room."""
-        return await self.admission.admit(seq_id, tokens, avoid)
+        return await self.admission.admit(seq_id, tokens, [*avoid, *self.draining])
 
     async def admit_many(self, requests: list[tuple[Hashable, int]], avoid: Sequence[str] = ()) -> list[Grant]:
         """Reserve KV for a request's choices: all at once or none (``Admission.admit_many``)."""
-        return await self.admission.admit_many(requests, avoid)
+        return await self.admission.admit_many(requests, [*avoid, *self.draining])
 
     async def release(self, seq_id: Hashable) -> bool:
         return await self.admission.release(seq_id)
 
     async def usage(self) -> dict:
-        return self.admission.usage()
+        return {**self.admission.usage(), "draining": sorted(self.draining)}

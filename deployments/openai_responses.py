@@ -121,7 +121,7 @@ class ResponseShaper:
     def __init__(self, model_name: str, chat: bool, token_ids: bool = False, include_usage: bool = False,
                  token_bytes: Callable[[int], bytes] | None = None, choices_per_prompt: int = 1,
                  echoes: Sequence[Echo] | None = None, continuous_usage: bool = False,
-                 tools: ToolPlan | None = None) -> None:
+                 tools: ToolPlan | None = None, event_per_token: bool = False) -> None:
         self.model_name, self.chat, self.token_ids, self.include_usage = model_name, chat, token_ids, include_usage
         self.tools = tools  # a forced call: the output is read as tool_calls, never as content
         self._scanners: dict[int, ToolCallScanner] = {}  # per streamed choice
@@ -129,6 +129,7 @@ class ResponseShaper:
         self.per_prompt = choices_per_prompt  # n: choice i answers prompt i // n
         self.echoes = echoes
         self.continuous_usage = include_usage and continuous_usage  # vLLM's continuous_usage_stats
+        self.event_per_token = event_per_token  # ``stream_events: token``: one chunk per token
         self._prompt_tokens = self._streamed = 0  # for it: the prompts' tokens, the tokens streamed so far
         self.id, self.created = new_id("chatcmpl" if chat else "cmpl"), now()
         self._offsets: dict[int, int] = {}  # per choice, token text streamed so far (text_offset)
@@ -189,43 +190,58 @@ class ResponseShaper:
                                      "logprobs": None, "finish_reason": None}]) for index in range(len(drivers)))
 
     def tokens(self, events: Sequence[ChoiceEvent], drivers: Sequence[SequenceDriver]) -> str:
-        """One chunk per committed token, concatenated: a round's tokens go out as one write.
-        A choice's last token's chunk (the one with ``finish_reason``) also carries that
-        choice's speculative statistics: it has finished, so they are final."""
-        parts = []
+        """One chunk per choice per write: a round's tokens (or the rounds a write holds)
+        go out as one SSE event, their text joined and their ids and logprobs as lists, as
+        an OpenAI chunk may carry several tokens -- one event per round, not per token,
+        for the HTTP proxy and the client to parse. Events of different choices
+        interleave in the order they came. A choice's last chunk (the one with
+        ``finish_reason``) also carries that choice's speculative statistics: it has
+        finished, so they are final."""
+        parts, run = [], []
         for item in events:
-            index, event, driver = item.index, item.event, drivers[item.index]
-            first = index not in self._started
-            self._started.add(index)
-            self._streamed += 1
-            if self.echoes and first:  # the choice's first write: its prompt first
-                parts.append(self._echo(index, driver))
-            extra = {"speculative": speculative_body(driver.stats, driver.num_drafts)} if event.finish_reason else {}
-            logprobs = None
-            if event.logprob is not None:
-                offset = self._offsets.get(index, 0)
-                logprobs = (chat_logprobs([event.logprob], self.token_bytes) if self.chat
-                            else completion_logprobs([event.logprob], offset))
-                # text_offset counts token texts, as the whole response's does: a stream's
-                # text may lag its tokens (a possible stop string held back)
-                self._offsets[index] = offset + len(event.logprob.token)
-            ids = {"token_ids": [event.token_id]} if self.token_ids else {}
-            if self.token_ids and first:  # as vLLM's: a choice's first chunk carries its prompt's ids
-                ids["prompt_token_ids"] = driver.state.tokens[: driver.state.prompt_len]
-            if self.chat:
-                delta, finish = {"content": event.text} if event.text else {}, event.finish_reason
-                if self.tools is not None:
-                    scanner = self._scanners.setdefault(index, self.tools.scanner())
-                    scanner.feed(event.text)
-                    calls = scanner.deltas()
-                    delta = {"tool_calls": calls} if calls else {}
-                    if finish is not None:
-                        finish = _tool_finish(driver.state, scanner.tool_calls())
-                parts.append(self._chunk([{"index": index, "delta": delta, "logprobs": logprobs,
-                                           "finish_reason": finish, **ids}], **extra))
-            else:
-                parts.append(self._chunk([{"index": index, "text": event.text, "logprobs": logprobs,
-                                           "finish_reason": event.finish_reason, **ids}], **extra))
+            if run and (item.index != run[0].index or self.event_per_token):
+                parts.append(self._choice_chunk(run[0].index, [e.event for e in run], drivers[run[0].index]))
+                run = []
+            run.append(item)
+        if run:
+            parts.append(self._choice_chunk(run[0].index, [e.event for e in run], drivers[run[0].index]))
+        return "".join(parts)
+
+    def _choice_chunk(self, index: int, events: list[TokenEvent], driver: SequenceDriver) -> str:
+        """One choice's consecutive committed tokens as one chunk (only the last can finish it)."""
+        parts = []
+        first = index not in self._started
+        self._started.add(index)
+        self._streamed += len(events)
+        if self.echoes and first:  # the choice's first write: its prompt first
+            parts.append(self._echo(index, driver))
+        finish_reason = events[-1].finish_reason
+        extra = {"speculative": speculative_body(driver.stats, driver.num_drafts)} if finish_reason else {}
+        logprobs = None
+        items = [event.logprob for event in events if event.logprob is not None]
+        if items:
+            offset = self._offsets.get(index, 0)
+            logprobs = (chat_logprobs(items, self.token_bytes) if self.chat else completion_logprobs(items, offset))
+            # text_offset counts token texts, as the whole response's does: a stream's
+            # text may lag its tokens (a possible stop string held back)
+            self._offsets[index] = offset + sum(len(item.token) for item in items)
+        ids = {"token_ids": [event.token_id for event in events]} if self.token_ids else {}
+        if self.token_ids and first:  # as vLLM's: a choice's first chunk carries its prompt's ids
+            ids["prompt_token_ids"] = driver.state.tokens[: driver.state.prompt_len]
+        text = "".join(event.text for event in events)
+        if self.chat:
+            delta = {"content": text} if text else {}
+            if self.tools is not None:  # a forced call: the text is read as tool_calls
+                scanner = self._scanners.setdefault(index, self.tools.scanner())
+                scanner.feed(text)
+                calls = scanner.deltas()
+                delta = {"tool_calls": calls} if calls else {}
+                if finish_reason is not None:
+                    finish_reason = _tool_finish(driver.state, scanner.tool_calls())
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, **ids}
+        else:
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, **ids}
+        parts.append(self._chunk([choice], **extra))
         return "".join(parts)
 
     def _echo(self, index: int, driver: SequenceDriver) -> str:

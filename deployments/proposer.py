@@ -8,12 +8,18 @@ worker put in the store -- the router passes the references on without touching 
 data. Sampled draft distributions go back the same way, as a reference.
 
 How the router reaches the worker: a sequence's first round goes through Serve (which
-picks a replica, power of two choices), and the reply names the replica's worker; later
-rounds call that worker directly -- unless the deployment autoscales, whose replica
-count Serve decides from the requests it sees: those keep every round on Serve's path.
+picks a replica, power of two choices, and never one that is stopping), and the reply
+names the replica's worker; later rounds call that worker directly -- unless the
+deployment autoscales on Serve's request-count policy (``workers.calls_go_direct``),
+which keeps every round on Serve's path. The replica reports its worker's load to Serve's
+autoscaler (``record_autoscaling_stats``), and when Serve stops it, it waits for its
+sequences to finish first (``__del__``).
 """
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from typing import Hashable, Sequence
 
 import ray
@@ -26,6 +32,9 @@ from engine.speculative.proposers.registry import PROPOSER_KINDS
 from .affinity import TICK_WORKER_OPTIONS
 from .settings import ServeSettings
 from .workers import ProposerStepper, calls_go_direct, spawn_worker, worker_bundles
+
+log = logging.getLogger("specserve.proposer")
+DRAIN_MARGIN_S = 2.0  # of the graceful-shutdown budget, left when a drain gives up waiting
 
 
 class ProposerModel:
@@ -59,6 +68,26 @@ class ProposerModel:
         self.serve_calls += 1
         served_by, results = await self.worker.propose.remote(self.replica_id, items, releases)
         return served_by, results, self.worker if self.direct else None
+
+    async def __del__(self) -> None:
+        """Serve stops this replica: Serve routes no new sequence here any more; wait
+        (within the shutdown budget) for the ones it drafts for to finish. A sequence still
+        here when it goes re-syncs with another replica, one round without drafts."""
+        worker = getattr(self, "worker", None)
+        if worker is None or getattr(self, "drained", False):
+            return
+        self.drained = True
+        config = getattr(serve.get_replica_context(), "_deployment_config", None)
+        deadline = time.monotonic() + getattr(config, "graceful_shutdown_timeout_s", 20.0) - DRAIN_MARGIN_S
+        try:
+            while time.monotonic() < deadline and (await worker.load.remote())["sequences"]:
+                await asyncio.sleep(0.2)
+        except Exception as exc:  # noqa: BLE001 - the worker may be gone already
+            log.warning("draining %s replica %s: %r", self.mode, self.replica_id, exc)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's autoscaling hook: the load this replica really serves (``autoscaling``)."""
+        return await self.worker.load.remote()
 
     async def draft_costs(self) -> DraftCostTable:
         """This replica's measured draft costs (``engine.sched.calibration``), measured at start-up."""

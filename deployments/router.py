@@ -45,6 +45,7 @@ from .choices import admit_all, all_choices, choice_options
 from .metrics import ServeRoundMetrics
 from .openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .openai_responses import SSE_DONE, ChoiceEvent, Echo, ResponseShaper
+from .readiness import CONNECT_WAIT_S, READY_WAIT_S, Readiness
 from .request_guard import RequestGuard
 from .settings import ServeSettings
 from .streaming import WriteBudget, cancel_when_dropped, token_writes
@@ -131,18 +132,44 @@ class Router:
         self._open_streams = 0  # streaming responses in progress: they share the write budget
         self.write_budget = WriteBudget(self.settings.stream_writes_per_s)
         self._gauges: asyncio.Task | None = None
+        self._target_pools: int | None = None  # target pools in the KV ledger, as last seen (``_report_kv``)
+        self.readiness = Readiness(serve.get_replica_context().app_name)
         self.guard = RequestGuard(os.environ.get(self.settings.api_key_env), self.settings.max_body_bytes)
         log.info("router: API key %s", "required" if self.guard.api_key else "not configured (open access)")
 
     # -- start-up ------------------------------------------------------------------------
     async def _ensure_ready(self) -> None:
+        """Connect once (``_connect``), and answer within ``READY_WAIT_S`` either way: a
+        router whose target is not up yet (pending resources, loading, being replaced)
+        raises a 503 that says which deployment and why (``readiness``), however long
+        the deployment takes; the connection goes on in the background."""
         # A failed connect is retried by the next request, and so is a cancelled one: Serve
         # cancels the handle calls a request made when its client disconnects, and the first
         # request's client may give up while the replicas are still starting.
         if self._ready is None or (self._ready.done() and (self._ready.cancelled()
                                                            or self._ready.exception() is not None)):
             self._ready = asyncio.ensure_future(self._connect())
-        await asyncio.shield(self._ready)
+        if not self._ready.done() and not self.readiness.known():  # not known to be pending: give it a moment
+            await asyncio.wait({self._ready}, timeout=READY_WAIT_S)  # never cancels the connection
+        if not self._ready.done():
+            reason = await self.readiness.reason()
+            if reason:
+                raise self._not_ready(f"specserve is starting: {reason}")
+            await asyncio.wait({self._ready}, timeout=CONNECT_WAIT_S)  # healthy: the connection is on its way
+            if not self._ready.done():
+                raise self._not_ready("specserve is starting: its router has not reached the target yet")
+        if self._ready.cancelled() or self._ready.exception() is not None:
+            failure = "cancelled" if self._ready.cancelled() else repr(self._ready.exception())
+            reason = await self.readiness.reason()
+            raise self._not_ready(f"specserve could not reach its target ({failure})"
+                                  + (f": {reason}" if reason else ""))
+        if self._target_pools == 0:
+            reason = await self.readiness.reason()
+            raise self._not_ready("no target replica is serving" + (f": {reason}" if reason else " (one is starting)"))
+
+    @staticmethod
+    def _not_ready(message: str) -> ApiError:
+        return ApiError(503, message + "; retry shortly", type_="service_unavailable", code="not_ready")
 
     async def _connect(self) -> None:
         """Learn the target's limits and the KV manager once, and wire what each deployed
@@ -163,11 +190,14 @@ class Router:
         log.info("router ready: modes %s, default %s, target providers %s", self.factory.modes,
                  self.factory.default_mode, info["providers"])
 
-    async def _report_kv(self, period_s: float = 2.0) -> None:
-        """Keep the KV gauges current (the ledger lives in the KV-manager actor)."""
+    async def _report_kv(self, period_s: float = 1.0) -> None:
+        """Keep the KV gauges current (the ledger lives in the KV-manager actor), and how
+        many target pools are live: none means requests would only wait (``_ensure_ready``)."""
         while True:
             try:
-                self.metrics.kv(await self.transport.kv_call("usage"))
+                usage = await self.transport.kv_call("usage")
+                self.metrics.kv(usage)
+                self._target_pools = usage["replicas"]
             except Exception as exc:  # noqa: BLE001 - a restarting KV manager must not stop the loop
                 log.debug("KV usage unavailable: %s", exc)
             await asyncio.sleep(period_s)
@@ -360,7 +390,8 @@ class Router:
         usage = body.stream_options
         shaper = ResponseShaper(self.model_name, chat, body.return_token_ids, usage is not None and usage.include_usage,
                                 self.tokenizer.token_bytes, choices_per_prompt=body.n, echoes=echoes,
-                                continuous_usage=usage is not None and usage.continuous_usage_stats, tools=tools)
+                                continuous_usage=usage is not None and usage.continuous_usage_stats, tools=tools,
+                                event_per_token=self.settings.stream_events == "token")
         if not body.stream:
             try:
                 await run
@@ -406,12 +437,14 @@ class Router:
         return await self.transport.kv_call("usage")
 
     async def scheduler_stats(self) -> dict:
-        """Which proposer replicas drafted how many sequence-rounds, and recovered faults."""
+        """Which target and proposer replicas verified and drafted how many sequence-rounds,
+        and recovered faults."""
         await self._ensure_ready()
         return self._scheduler_stats()
 
     def _scheduler_stats(self) -> dict:
-        return {"proposer_replicas": self.transport.proposer_replicas(), "recovered_faults": dict(self.metrics.faults)}
+        return {"proposer_replicas": self.transport.proposer_replicas(),
+                "target_replicas": self.transport.target_replicas(), "recovered_faults": dict(self.metrics.faults)}
 
 
 def _as_api_error(exc: BaseException) -> ApiError:

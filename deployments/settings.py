@@ -8,6 +8,7 @@ defaults, so a request behaves the same in both. The fields here exist only when
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -41,6 +42,11 @@ class ServeSettings(BaseModel):
         "write carries several rounds' tokens and the router and the HTTP proxy are not swamped by one "
         "message per round per stream; below the budget, and for a lone stream, nothing waits. "
         "None = no budget (every round's tokens as they commit, or per stream_interval)"))
+
+    stream_events: Literal["round", "token"] = Field("round", description=(
+        "how a stream write goes out: 'round' as one SSE event per choice holding the tokens it carries (a "
+        "round's, or the rounds a write holds: text joined, token ids and logprobs as lists, as an OpenAI chunk "
+        "may carry several tokens); 'token' as one event per token, for clients that count events as tokens"))
 
     deployment_overrides: dict[str, dict] = Field(
         default_factory=dict, description="per-deployment Serve options for programmatic runs (tests, "

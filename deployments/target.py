@@ -2,10 +2,14 @@
 (``workers.TargetStepper``), which owns the target's ONNX session and the physical KV
 pages of the sequences routed to it. The router calls the worker directly once per tick
 (``ServeTransport.target_step``) -- through this replica only when the deployment
-autoscales (``workers.calls_go_direct``); Serve keeps this replica's lifecycle and health
-checks, and the replica keeps the KV manager's ledger of its pool whole."""
+autoscales on Serve's request-count policy (``workers.calls_go_direct``); Serve keeps
+this replica's lifecycle, health checks and autoscaling (the replica reports its worker's
+load, ``record_autoscaling_stats``), and the replica keeps the KV manager's ledger of its
+pool whole: it registers the pool when it starts, and when Serve stops it (downscaling,
+a redeploy) it drains first (``__del__``)."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Hashable, Sequence
@@ -24,6 +28,11 @@ from .workers import TargetStepper, calls_go_direct, spawn_worker, worker_bundle
 
 log = logging.getLogger("specserve.target")
 KV_MANAGER = "kv_manager"
+# CPUs of the target's worker on a CPU node: its batched calls run one onnxruntime thread
+# per reserved CPU (``workers.worker_config``), and a batched decode step on two threads
+# is what the in-process engine runs (docs/benchmarks/ measures one against two).
+CPU_WORKER_CPUS = 2.0
+DRAIN_MARGIN_S = 2.0  # of the graceful-shutdown budget, kept for dropping the pool after a drain
 
 
 def kv_manager_handle(attempts: int = 100):
@@ -45,7 +54,7 @@ class TargetModel:
         the compute), affinity routing for calls that name a replica, and the KV
         manager as a deployment-scoped actor."""
         gpu = settings.engine.device == "cuda"
-        bundles = worker_bundles(0.5, 1.0 if gpu else 0.0)
+        bundles = worker_bundles(1.0, 1.0) if gpu else worker_bundles(CPU_WORKER_CPUS)
         return {
             "name": "TargetModel",
             "max_ongoing_requests": 2 * settings.engine.scheduler.lanes,
@@ -68,20 +77,37 @@ class TargetModel:
         self.kv = None
         self._ensure_registered()
 
-    def __del__(self) -> None:
-        """A replica that shuts down (downscaling, redeploy) takes its pool out of the ledger."""
+    async def __del__(self) -> None:
+        """Serve stops this replica (downscaling, a redeploy): drain it. Its pool takes no
+        new admissions, its sequences run on until they finish or the shutdown budget is
+        nearly spent, and then its pool leaves the ledger. A sequence still running when
+        the replica goes is re-admitted elsewhere and re-prefilled from its committed
+        tokens (the router holds them), so a drain never loses or changes a token."""
         kv = getattr(self, "kv", None)
-        if kv is not None:
-            try:
-                kv.drop_pool.remote(self.replica_id)
-            except Exception:  # noqa: BLE001 - the manager may be gone already
-                pass
+        if kv is None or getattr(self, "drained", False):
+            return
+        self.drained = True
+        config = getattr(serve.get_replica_context(), "_deployment_config", None)
+        budget = getattr(config, "graceful_shutdown_timeout_s", 20.0) - DRAIN_MARGIN_S
+        try:
+            await kv.drain_pool.remote(self.replica_id)
+            deadline = time.monotonic() + budget
+            while time.monotonic() < deadline and (await self.worker.load.remote())["sequences"]:
+                await asyncio.sleep(0.2)
+        except Exception as exc:  # noqa: BLE001 - the manager or our worker may be gone already
+            log.warning("draining target replica %s: %r", self.replica_id, exc)
+        try:
+            await kv.drop_pool.remote(self.replica_id)
+        except Exception:  # noqa: BLE001 - a restarted manager never heard of the pool
+            pass
 
     def _ensure_registered(self) -> None:
         """Make sure the (current) KV manager knows this replica's pool and worker. After
         the manager was restarted it knows nothing: re-register with every live
         sequence's granted blocks, so its ledger is whole again and no block is granted
-        twice."""
+        twice. (Not once it drains: its pool is leaving.)"""
+        if getattr(self, "drained", False):
+            return
         kv = kv_manager_handle()
         if ray.get(kv.has_pool.remote(self.replica_id), timeout=10):
             self.kv = kv
@@ -112,7 +138,12 @@ class TargetModel:
         adaptive speculation; measured once at start-up."""
         return await self.worker.verify_costs.remote()
 
-    async def kv_usage(self) -> dict:
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's autoscaling hook: the load this replica really serves (``autoscaling``)."""
+        return await self.worker.load.remote()
+
+    async def kv_usage(self, replica_hint: str | None = None) -> dict:
+        """This replica's pool and counters (``replica_hint`` pins the call to one replica)."""
         return {"replica": self.replica_id, **await self.worker.usage.remote(), "health_probes": self.health_probes,
                 "serve_steps": self.serve_steps}
 

@@ -38,6 +38,7 @@ class ServeTransport:
         self.proposer_workers: dict[tuple[str, str], object] = {}  # (mode, replica) -> worker actor
         # (mode, proposer replica) -> sequence-rounds it drafted for: which replicas really serve
         self.drafted_by: Counter[tuple[str, str]] = Counter()
+        self.verified_by: Counter[str] = Counter()  # target replica -> sequence-rounds it verified
 
     async def kv_call(self, method: str, *args):
         """Call the KV manager; if it died, fetch the restarted one (a target replica
@@ -112,6 +113,7 @@ class ServeTransport:
         if served_by != replica:
             self.target_workers.pop(replica, None)
             raise TargetUnavailableError(f"target replica {replica} is gone (call reached {served_by})")
+        self.verified_by[replica] += len(verifies)
         return results
 
     async def propose(self, mode: str, replica: str | None, items: list[ProposeItem],
@@ -132,6 +134,10 @@ class ServeTransport:
         if drafted:
             self.drafted_by[(mode, served_by)] += drafted
         return served_by, results
+
+    def target_replicas(self) -> dict[str, int]:
+        """Target replica -> sequence-rounds it verified."""
+        return dict(self.verified_by)
 
     def proposer_replicas(self) -> dict[str, dict[str, int]]:
         """mode -> proposer replica -> sequence-rounds it returned drafts for."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 import time
 from collections import Counter
@@ -39,8 +40,10 @@ from engine.sched.proposer_worker import ProposeItem, ProposeResult, ProposerWor
 from engine.sched.target_worker import PrefillItem, TargetResult, TargetWorker, VerifyItem
 from engine.speculative.proposers.registry import PROPOSER_KINDS
 
+from .autoscaling import KV_BLOCKS_TOTAL, KV_BLOCKS_USED, POLICY_PATH, SEQUENCES, reads_replica_load
 from .metrics import ServeWorkerMetrics
 
+log = logging.getLogger("specserve.workers")
 WORKER_BUNDLE = 1  # bundle 0 of a tick deployment's placement group is the replica shell's
 # Threads of the target's calls at batch 1 (its in-place twin, spinning within a run only)
 # unless the config sets ``in_place_threads``, capped by the node's cores. A batch-1 call is
@@ -56,13 +59,22 @@ def worker_bundles(cpus: float, gpus: float = 0.0) -> list[dict[str, float]]:
 
 
 def calls_go_direct() -> bool:
-    """Whether the router may call this replica's worker directly every round. Not when
-    the deployment autoscales: Serve's autoscaler sizes it from the requests its handles
-    route, so those rounds stay on Serve's path (and pay for it)."""
+    """Whether the router may call this replica's worker directly every round: yes,
+    unless the deployment autoscales on Serve's default policy, which sizes it from the
+    requests its handles route -- those rounds stay on Serve's path (and pay for it). A
+    deployment that autoscales on its replicas' own load (``autoscaling.ReplicaLoadPolicy``)
+    goes direct like a fixed one."""
     from ray import serve
 
     config = getattr(serve.get_replica_context(), "_deployment_config", None)
-    return config is None or config.autoscaling_config is None
+    scaling = config.autoscaling_config if config is not None else None
+    if scaling is None or reads_replica_load(scaling.policy):
+        return True
+    log.warning("deployment %s autoscales on Serve's request-count policy, which cannot see rounds made to its "
+                "workers directly: its rounds go through Serve (slower). Set autoscaling_config.policy to "
+                "{policy_function: %s} to size it on its replicas' own load and call its workers directly",
+                serve.get_replica_context().deployment, POLICY_PATH)
+    return False
 
 
 def spawn_worker(cls: type, *args):
@@ -149,6 +161,13 @@ class TargetStepper:
         self.step_s += time.perf_counter() - started
         return replica, results
 
+    def load(self) -> dict[str, float]:
+        """What this replica serves, for the autoscaler (``autoscaling``): its sequences
+        and the KV blocks reserved for them."""
+        cache = self.decoder.cache
+        return {SEQUENCES: len(self.worker.sequences), KV_BLOCKS_USED: cache.num_blocks - cache.free_blocks,
+                KV_BLOCKS_TOTAL: cache.num_blocks}
+
     def usage(self) -> dict:
         cache = self.decoder.cache
         return {"total_blocks": cache.num_blocks, "free_blocks": cache.free_blocks,
@@ -210,6 +229,10 @@ class ProposerStepper:
                 item = dataclasses.replace(item, anchor=anchor)
             resolved.append(item)
         return resolved
+
+    def load(self) -> dict[str, float]:
+        """What this replica serves, for the autoscaler: the sequences it drafts for."""
+        return {SEQUENCES: len(self.worker.sequences)}
 
     def stats(self) -> dict:
         return {"mode": self.mode, **self.transport, "sequences": len(self.worker.sequences),

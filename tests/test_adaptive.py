@@ -558,6 +558,31 @@ def test_where_calls_cost_a_hop_plain_rounds_run_several_to_a_call_instead_of_dr
     assert served.plan([DraftRequest("end", "eagle3", 0, True), ending[1]]) == RoundPlan([0, 0], 1)
 
 
+def test_a_lookup_that_rarely_finds_drafts_lets_its_calls_run_several_plain_rounds_where_calls_cost_a_hop():
+    """A prompt lookup that found nothing this round may find drafts the next, but one
+    round a call costs a hop a round. The plan weighs the lookups it would skip (how often
+    the sequence's lookups find drafts, and how much those are accepted) against the hops
+    it would save: a lookup that rarely finds lets the call run ``plain_steps`` rounds; one
+    that often finds drafts that are accepted keeps one round a call; and without a hop
+    (in-process) there is nothing to save."""
+    def planner(acceptance: float, hop: float) -> DraftLengthPlanner:
+        plans = controller({"prompt_lookup": acceptance}, table=LAYOUT_TABLE)
+        plans.plain_steps = 8
+        for _ in range(20):
+            plans.verify_costs.observe([1], LAYOUT_TABLE.predict(1, 1) + hop)
+            plans.verify_costs.observe([5], LAYOUT_TABLE.predict(1, 5) + hop)
+        return plans
+
+    def steps_after(plans: DraftLengthPlanner, seq: str, found_every: int) -> int:
+        for i in range(40):  # the lookups so far: drafts found every ``found_every`` rounds
+            plans.plan([DraftRequest(seq, "prompt_lookup", 4 if i % found_every == 0 else 0, True, looked_up=4)])
+        return plans.plan([DraftRequest(seq, "prompt_lookup", 0, True, looked_up=4)]).steps
+
+    assert steps_after(planner(0.3, hop=0.003), "rare", found_every=20) == 8
+    assert steps_after(planner(0.9, hop=0.003), "often", found_every=2) == 1
+    assert steps_after(planner(0.3, hop=0.0), "in-process", found_every=20) == 1
+
+
 def test_several_plain_rounds_priced_from_their_prior_need_a_wider_margin():
     """Until calls of several plain rounds have been seen at a batch size, their price is a
     prior (the first round's call, the others at the table's figure), optimistic at a large

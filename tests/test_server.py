@@ -289,11 +289,16 @@ def test_chat_completion_and_its_stream_agree(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens == 20
     # vLLM's continuous_usage_stats: every chunk carries the usage so far
-    counted = [c.usage.completion_tokens for c in client.chat.completions.create(
+    continuous = list(client.chat.completions.create(
         model="specserve", messages=messages, max_tokens=20, temperature=0, stream=True,
-        stream_options={"include_usage": True, "continuous_usage_stats": True})]
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"return_token_ids": True}))
+    counted = [c.usage.completion_tokens for c in continuous]
     assert counted[0] == 0 and counted == sorted(counted) and counted[-2] == counted[-1] == 20
-    assert len(counted) == 20 + 2  # the role chunk, one per token, the usage chunk
+    # One event per write, not per token: each carries the tokens its rounds committed,
+    # and the usage grows by exactly those
+    per_event = [len(c.choices[0].model_extra.get("token_ids") or []) for c in continuous[1:-1]]
+    assert per_event == [b - a for a, b in zip(counted[:-2], counted[1:-1])] and sum(per_event) == 20
+    assert len(per_event) < 20
 
 
 def test_completion_logprobs_match_the_engine(client, bundle_engine, heldout_prompts):

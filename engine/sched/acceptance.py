@@ -69,3 +69,50 @@ class AcceptanceTracker:
             rates.append(((passed[i] if i < known else 0.0) + PRIOR_WEIGHT * prior)
                          / ((tested[i] if i < known else 0.0) + PRIOR_WEIGHT))
         return rates
+
+
+LOOKUP_PRIOR_FIND = 0.5  # how often a looking proposer finds drafts, before it has looked: optimistic,
+                         # so a sequence keeps its one-round calls until its lookups have said otherwise
+LOOKUP_PRIOR_DRAFTS = 2.0  # drafts it finds when it finds some, before it has found any
+
+
+@dataclass
+class _Lookups:
+    looked: float = 0.0
+    found: float = 0.0
+    drafts: float = 0.0  # drafts found, over the lookups that found some
+
+    def record(self, found: int, decay: float = 1.0) -> None:
+        self.looked, self.found, self.drafts = self.looked * decay + 1, self.found * decay, self.drafts * decay
+        if found:
+            self.found += 1
+            self.drafts += found
+
+
+class LookupTracker:
+    """How often a proposer that looks its drafts up before the plan (prompt lookup, in
+    the coordinator) finds some, and how many: per sequence, shrunk toward its mode's
+    average as ``AcceptanceTracker`` shrinks acceptance. What a round that may look again
+    is worth, against several plain rounds in one call that do not look."""
+
+    def __init__(self) -> None:
+        self._modes: dict[str, _Lookups] = {}
+        self._seqs: dict[object, _Lookups] = {}
+
+    def record(self, seq_id, mode: str, found: int) -> None:
+        self._modes.setdefault(mode, _Lookups()).record(found, MODE_DECAY)
+        self._seqs.setdefault(seq_id, _Lookups()).record(found)
+
+    def forget(self, seq_id) -> None:
+        self._seqs.pop(seq_id, None)
+
+    def odds(self, seq_id, mode: str) -> tuple[float, float]:
+        """(probability a lookup finds drafts, drafts it finds when it does)."""
+        mode_counts, own = self._modes.get(mode, _Lookups()), self._seqs.get(seq_id, _Lookups())
+        mode_find = ((mode_counts.found + MODE_PRIOR_WEIGHT * LOOKUP_PRIOR_FIND)
+                     / (mode_counts.looked + MODE_PRIOR_WEIGHT))
+        mode_drafts = ((mode_counts.drafts + MODE_PRIOR_WEIGHT * LOOKUP_PRIOR_DRAFTS)
+                       / (mode_counts.found + MODE_PRIOR_WEIGHT))
+        find = (own.found + PRIOR_WEIGHT * mode_find) / (own.looked + PRIOR_WEIGHT)
+        drafts = (own.drafts + PRIOR_WEIGHT * mode_drafts) / (own.found + PRIOR_WEIGHT)
+        return find, drafts

@@ -31,6 +31,8 @@ class DraftRequest:
     ending: bool = False   # the request's budget has one token left: max_num_drafts is 0 for its sake,
                            # not for want of drafts, and several plain rounds cost it nothing
     cold: bool = False     # its proposer has not seen the sequence yet (``SequenceDriver.proposer_cold``)
+    looked_up: int = 0     # a proposer in the coordinator looked for up to this many drafts before the plan
+                           # (prompt lookup); max_num_drafts is then what it found
 
 
 class CallPricing:

@@ -179,10 +179,21 @@ class RoundCoordinator:
             raise
         for run, grant in zip(runs, grants):
             run.grant = grant
-            lane = min(self._lanes, key=lambda la: len(la.runs))
+            lane = self._lane_for(run.driver)
             lane.runs.append(run)
             self._ensure_running(lane)
         return runs
+
+    def _lane_for(self, driver: SequenceDriver) -> _Lane:
+        """Lanes overlap one lane's proposer calls with another's target pass, so a
+        sequence whose rounds call a proposer joins the lane with the fewest sequences.
+        One whose rounds call none (target-only, or a proposer in the coordinator) has
+        nothing to overlap: it joins the first lane while that has room in a tick, so
+        these sequences share one target call per replica and tick -- one batched call
+        costs less than two half-size ones, which take turns on the same worker."""
+        if not driver.remote_proposer and len(self._lanes[0].runs) < self.max_batch:
+            return self._lanes[0]
+        return min(self._lanes, key=lambda la: len(la.runs))
 
     async def follow(self, run: "_Run") -> None:
         """Wait for an admitted request to finish. Cancelling the caller (a client
@@ -324,7 +335,9 @@ class RoundCoordinator:
             if not any(run.driver.adaptive for run in runs):
                 continue  # every round drafts its maximum: nothing to plan
             requests = [DraftRequest(r.driver.seq_id, r.driver.mode, r.driver.round_num_drafts, r.driver.adaptive,
-                                     r.driver.catch_up, r.driver.ending, r.driver.proposer_cold) for r in runs]
+                                     r.driver.catch_up, r.driver.ending, r.driver.proposer_cold,
+                                     r.driver.max_num_drafts() if r.driver.local_proposer is not None else 0)
+                        for r in runs]
             plan = self.planner.plan(requests)
             for run, num_drafts in zip(runs, plan.num_drafts):
                 run.driver.round_num_drafts, run.driver.round_steps = num_drafts, plan.steps

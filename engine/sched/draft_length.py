@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 from itertools import product
 from typing import Iterable, NamedTuple, Sequence, Union
 
-from engine.sched.acceptance import AcceptanceTracker
+from engine.sched.acceptance import AcceptanceTracker, LookupTracker
 from engine.sched.call_pricing import CallPricing, DraftRequest
 from engine.sched.cost_models import DraftCostModel, VerifyCostModel
 from engine.sched.cost_tables import DraftCostTable, VerifyCostTable
@@ -62,6 +62,8 @@ MULTI_STEP_PRIOR_MARGIN = 0.25  # ... and this much while it is priced from the 
                                 # plain_rounds``), which underprices it at a large batch: real pasts are
                                 # longer than the calibration's (docs/adaptive-speculation.md)
 ENGAGE_MARGIN = 0.1      # see ``DraftLengthPlanner._best``
+LOOKUP_PAUSE_MARGIN = 0.02  # several plain rounds instead of looking up again must be predicted this
+                            # much faster: the lookups they skip are priced in, so only noise is guarded
 HELD_CALLS = 16          # calls whose plans are held at once (a lane and replica each); more: start over
 HOLD_GROWTH = 4          # a plan re-planned to itself holds twice as long each time, up to this many times
                          # ``replan_rounds`` (``DraftLengthPlanner.plan``)
@@ -176,6 +178,7 @@ class DraftLengthPlanner:
                  acceptance: AcceptanceTracker | None = None, plain_steps: int = 1, replan_rounds: int = 1) -> None:
         self.verify_costs, self.draft_costs = verify_costs, draft_costs
         self.acceptance = acceptance or AcceptanceTracker()
+        self.lookups = LookupTracker()
         self.plain_steps = plain_steps  # plain rounds a target call may run back to back
         self.replan_rounds = replan_rounds  # rounds a plan holds while its call stays the same
         self.plans = 0                  # plans computed (not held), for tests
@@ -215,8 +218,12 @@ class DraftLengthPlanner:
 
         A multi-step call counts as that many rounds; exploring happens round by round
         whatever the plan's source."""
+        for r in call:
+            if r.adaptive and r.looked_up:
+                self.lookups.record(r.seq_id, r.mode, r.max_num_drafts)
         if all(r.adaptive and r.max_num_drafts == 0 and not r.ending for r in call):
-            return RoundPlan([0] * len(call))  # the plan _best would make: nothing to verify, a plain round
+            # the plan _best would make: nothing to verify, a plain round -- or several (``_lookup_pause``)
+            return RoundPlan([0] * len(call), self._lookup_pause(call))
         num_drafts, steps = self._held_or_planned(call)
         self._explore(call, num_drafts, steps)
         return RoundPlan(num_drafts, steps if not any(num_drafts) else 1)  # exploring may have added a draft
@@ -228,6 +235,7 @@ class DraftLengthPlanner:
                 self.acceptance.record(record.seq_id, record.mode, record.num_drafts, record.accepted)
             case SequenceRetired():
                 self.acceptance.forget(record.seq_id)
+                self.lookups.forget(record.seq_id)
             case TargetCall():
                 self._learn_target_call(record)
             case ProposerCall():
@@ -237,6 +245,36 @@ class DraftLengthPlanner:
                     self.verify_costs.observe_overhead(record.sequences, record.seconds)
             case DraftCosts():
                 self.draft_costs.add(record.mode, record.table)
+
+    def _lookup_pause(self, call: Sequence[DraftRequest]) -> int:
+        """Plain rounds for a call in which a lookup (prompt lookup, in the coordinator)
+        found no drafts for any sequence: one, so the next round may look again, or
+        ``plain_steps`` in one target call, which pays the call's fixed part (on the server,
+        the hop) once for that many rounds but skips their lookups. A round that looks
+        again is worth its tokens plus what its lookups are expected to add (each
+        sequence's odds of finding drafts, ``LookupTracker``, times what they would be
+        accepted for, ``AcceptanceTracker``), at the price of a call padded to those
+        drafts where any is found; several rounds in one call win when their rate is
+        ``LOOKUP_PAUSE_MARGIN`` higher. A sequence not looked up for (``looked_up`` 0) is
+        taken to find drafts next round, as before any lookup was seen."""
+        steps, n = self.plain_steps, len(call)
+        if steps <= 1 or any(not r.looked_up for r in call):
+            return 1
+        tokens, none_found, widest = 0.0, 1.0, 0
+        for r in call:
+            find, drafts = self.lookups.odds(r.seq_id, r.mode)
+            width = max(1, min(r.looked_up, round(drafts)))
+            accepted, expected = 1.0, 0.0
+            for alpha in self.acceptance.alphas(r.seq_id, r.mode, width):
+                accepted *= alpha
+                expected += accepted
+            tokens += 1 + find * expected
+            none_found *= 1 - find
+            widest = max(widest, width)
+        costs = self.verify_costs
+        looking = (none_found * costs.predict(n, n) + (1 - none_found) * costs.predict(n, n * (widest + 1)))
+        paused = n * steps / costs.plain_rounds(n, steps)
+        return steps if paused >= (tokens / looking) * (1 + LOOKUP_PAUSE_MARGIN) else 1
 
     # -- learning ------------------------------------------------------------------------
     def _learn_target_call(self, call: TargetCall) -> None:
