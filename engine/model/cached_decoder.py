@@ -61,7 +61,7 @@ class CachedDecoder:
         self.max_context = int(limit)
         self.cache = PagedKVCache(self.decoder.layers, self.config.kv_num_blocks, self.config.kv_block_size,
                                   dtype=self.decoder.kv_dtype, sliding_window=self.config.sliding_window,
-                                  sink_tokens=self.config.sink_tokens)
+                                  sink_tokens=self.config.sink_tokens, prefix_caching=self.config.caches_prefixes)
         self.batch_layouts = BatchLayouts(self.cache)
         self.in_place = None  # the batch-1 twin, where the model has one and the cache allows it
         # Whether this decoder's sessions keep a thread pool spinning after each run.

@@ -20,6 +20,7 @@ from typing import Any, Hashable, Sequence
 import numpy as np
 
 from engine.errors import EngineError
+from engine.model.cached_decoder import CachedDecoder
 from engine.options import GenerationOptions
 from engine.sched.metrics import RoundMetrics
 from engine.speculative.proposers.base import AcceptContext, Proposal, Proposer, ProposerContext
@@ -126,6 +127,12 @@ class ProposerWorker:
             except Exception as exc:  # noqa: BLE001
                 results[item.seq_id] = self._failed(item, exc)
         return [results[item.seq_id] for item in items]
+
+    def reset_prefix_cache(self) -> int:
+        """Forget the prefixes a draft model's own KV caches (``DraftModelProposer``);
+        heads keep no KV. Returns the cached blocks freed."""
+        model = self.loaded.model
+        return model.cache.reset_prefix_cache() if isinstance(model, CachedDecoder) else 0
 
     def release(self, seq_ids: Sequence[Hashable]) -> None:
         for seq_id in seq_ids:
