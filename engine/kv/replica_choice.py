@@ -3,9 +3,9 @@
 ``prefix_aware`` (the default) follows Ray Serve LLM's ``PrefixCacheAffinityRouter``:
 while the replicas' loads are within ``IMBALANCE`` sequences of each other, a sequence
 goes to the replica holding the longest cached prefix of its prompt, if that covers at
-least ``MIN_MATCH`` of it; otherwise -- no useful match, or loads too far apart -- to
-the roomiest replica (most blocks it could grant, then the fewest sequences), as
-admission chose before it knew prefixes. ``round_robin`` takes the replicas in
+least ``MIN_MATCH`` of it, else to the roomiest replica (most blocks it could grant,
+then the fewest sequences), as admission chose before it knew prefixes; loads further
+apart than that send it to the least loaded replica, whatever it caches. ``round_robin`` takes the replicas in
 turn, whatever they cache: the baseline ``bench/prefix_cache.py`` measures against.
 Either way only a replica with room for the whole reservation now is chosen.
 """
@@ -51,7 +51,9 @@ class ReplicaChooser:
                     return pick
         loads = [c.load for c in fitting]
         balanced = max(loads) - min(loads) <= IMBALANCE
+        if not balanced:
+            return min(fitting, key=lambda c: (c.load, -c.room))
         best = max(fitting, key=lambda c: (c.cached_blocks, -c.load, c.room))
-        if balanced and query_blocks and best.cached_blocks >= MIN_MATCH * query_blocks and best.cached_blocks:
+        if best.cached_blocks and best.cached_blocks >= MIN_MATCH * query_blocks:
             return best
         return max(fitting, key=lambda c: (c.room, -c.load))
