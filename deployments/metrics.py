@@ -5,8 +5,9 @@ The speculative counters carry vLLM's names (``spec_decode_num_drafts``,
 ``spec_decode_num_draft_tokens``, ``spec_decode_num_accepted_tokens``,
 ``spec_decode_num_accepted_tokens_per_pos``), and so do the prefix cache's
 (``prefix_cache_queries``, ``prefix_cache_hits``: prompt tokens looked up, and found
-cached), so dashboards built for vLLM read them; Ray's exporter adds its ``ray_`` prefix. Every metric is tagged with the proposer mode
-where one applies, and Serve adds the deployment, replica and application tags.
+cached), so dashboards built for vLLM read them; Ray's exporter adds its ``ray_``
+prefix. Every metric is tagged with the proposer mode where one applies, and Serve adds
+the deployment, replica and application tags.
 """
 from __future__ import annotations
 

@@ -164,6 +164,23 @@ class SharingCacheMachine(RuleBasedStateMachine):
         del self.tokens[sid], self.final[sid]
         self.reset_while_live.discard(sid)
 
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), spare=st.integers(0, 5))
+    def read_into_a_buffer(self, data, spare):
+        """What a call on the in-place twin does with a sequence that has no session copy
+        (or replaces it): the past copied from the pools straight into its buffer."""
+        sid = data.draw(st.sampled_from(sorted(self.tokens)))
+        n = len(self.tokens[sid])
+        keys = [np.full((1, g.num_kv_heads, n + spare, g.head_dim), np.nan, np.float32) for g in GEOMETRY]
+        values = [k.copy() for k in keys]
+        self.cache.read_into(sid, keys, values)
+        if n:
+            expected = _kv_of(self.tokens[sid])
+            for layer in range(len(GEOMETRY)):
+                assert np.array_equal(keys[layer][0, :, :n], expected[0][layer])
+                assert np.array_equal(values[layer][0, :, :n], expected[1][layer])
+        assert all(np.isnan(k[0, :, n:]).all() for k in keys)  # nothing written past the sequence
+
     @rule()
     def reset(self):
         cached = self.cache.cached_blocks

@@ -659,6 +659,26 @@ class PagedKVCache:
             kept = s.session = self.gathered_past(seq_id)  # writes pending tokens out of the old copy first
         return kept
 
+    def read_into(self, seq_id: Hashable, keys: Sequence[np.ndarray], values: Sequence[np.ndarray]) -> None:
+        """Copy the retained past into slots ``[0, length)`` of per-layer ``[1, heads, C,
+        dim]`` arrays (an in-place buffer), straight from the pools: one copy, where
+        ``gathered_past`` and copying its result would make several (a sequence that
+        starts on a long cached prefix reads it so). Not under a window (no holes)."""
+        s = self._get(seq_id)
+        if s.dropped:
+            raise ValueError("read_into needs a sequence with nothing evicted")
+        self._flush(s)
+        full, tail = divmod(s.length, self.block_size)
+        ids = np.asarray(s.table[:full], np.intp)
+        for pools, arrays in ((self._key_pools, keys), (self._value_pools, values)):
+            for pool, array in zip(pools, arrays):
+                _, heads, _, dim = pool.shape
+                if full:  # the destination's first ``full`` blocks of slots, viewed block by block
+                    blocks = array[0, :, : full * self.block_size].reshape(heads, full, self.block_size, dim)
+                    np.take(pool, ids, axis=0, out=blocks.transpose(1, 0, 2, 3), mode="clip")
+                if tail:
+                    array[0, :, full * self.block_size: s.length] = pool[s.table[full], :, :tail]
+
     def kept_session(self, seq_id: Hashable) -> SessionPast | None:
         """The session-layout copy the cache holds for the sequence now (no gather), or
         None; callers compare it by identity to know whether a copy is still current."""

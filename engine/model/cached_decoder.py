@@ -170,16 +170,19 @@ class CachedDecoder:
         buffer, holding a copy of the live past, only where the session copy is no
         buffer's (a prefill, a batched call's row) or the buffer is full."""
         seq_id = request.seq_id
-        past = self.cache.session_past(seq_id, compact=False)
         length = self.cache.length(seq_id)
         needed = length + len(request.tokens)
-        buffer = past.buffer
+        past = self.cache.kept_session(seq_id)
+        buffer = past.buffer if past is not None else None
         if not (isinstance(buffer, KVBuffer) and needed <= buffer.capacity):
             buffer = self.in_place.new_buffer(buffer_capacity(needed, self.max_context))
-            live = past.live()
-            for layer, (key, value) in enumerate(zip(past.keys, past.values)):
-                buffer.keys[layer][:, :, :length] = key[:, :, live]
-                buffer.values[layer][:, :, :length] = value[:, :, live]
+            if past is None:  # a prefill (on a cached prefix, or none): its past is in the pools only
+                self.cache.read_into(seq_id, buffer.keys, buffer.values)
+            else:
+                live = past.live()
+                for layer, (key, value) in enumerate(zip(past.keys, past.values)):
+                    buffer.keys[layer][:, :, :length] = key[:, :, live]
+                    buffer.values[layer][:, :, :length] = value[:, :, live]
             self.buffers_made += 1
         logits, extras = self.in_place.run(buffer, length, np.asarray([request.tokens]))
         self.cache.append_in_buffer(seq_id, buffer, needed)

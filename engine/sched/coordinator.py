@@ -180,7 +180,8 @@ class RoundCoordinator:
             if len(drivers) == 1:
                 grants = [await self.transport.admit(drivers[0].seq_id, drivers[0].kv_tokens, [], queries[0])]
             else:
-                grants = await self.transport.admit_many([(d.seq_id, d.kv_tokens, q) for d, q in zip(drivers, queries)])
+                grants = await self.transport.admit_many([(driver.seq_id, driver.kv_tokens, query)
+                                                          for driver, query in zip(drivers, queries)])
         except asyncio.CancelledError:
             for driver in drivers:  # an admit may land after we left
                 asyncio.ensure_future(self.transport.release(driver.seq_id))
@@ -200,6 +201,7 @@ class RoundCoordinator:
             self.metrics.prefix_cache(len(query), grant.cached_tokens)
         if not run.driver.prefilled:
             run.driver.cached_tokens = grant.cached_tokens
+
     async def follow(self, run: "_Run") -> None:
         """Wait for an admitted request to finish. Cancelling the caller (a client
         disconnect) retires the request at the next tick and frees its KV."""

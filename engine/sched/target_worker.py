@@ -152,7 +152,8 @@ class TargetWorker:
             feed = item.fed
             reserved, shared = item.reserved_blocks, item.shared_blocks
             if shared and not item.resume and item.options.prompt_logprobs is not None:
-                raise ValueError("a prefill with prompt_logprobs needs every prompt row: it cannot start on cached blocks")
+                raise ValueError("a prefill with prompt_logprobs needs every prompt row: it cannot start on "
+                                 "cached blocks")
             cache.add_sequence(item.seq_id, reserved[shared:] if reserved is not None else None)
             start = cache.share_prefix(item.seq_id, feed, reserved[:shared]) if shared else 0
             out = self.target.feed_batch([FeedRequest(item.seq_id, feed[start:], start)])[0]
