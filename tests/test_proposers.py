@@ -363,3 +363,32 @@ def test_a_failing_batched_proposal_is_retried_one_by_one_logged_and_counted(cap
     again = worker.propose([ProposeItem("s0", 1, 3, [6], None, 1), ProposeItem("s2", 1, 3, [8], None, 1)])
     assert [r.tokens for r in again] == [[7], [9]] and BatchDrafter.batches == [3, 2]
     assert metrics.faults == {"propose_batch_failed": 1}
+
+
+def test_an_mtp_head_with_a_draft_vocabulary_drafts_within_it_and_stays_lossless(bundle_engine, target_state,
+                                                                               heldout_prompts, tmp_path):
+    """The MTP head's config names a ``d2t`` (here the EAGLE-3 head's 1024 ids): its LM
+    head keeps only those rows of the target's, its drafts are target ids inside that
+    vocabulary, and greedy output is target-only's."""
+    import json
+    import shutil
+
+    from engine import Engine
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(MODELS, bundle, ignore=shutil.ignore_patterns("draft", "eagle3", "shared_kv"))
+    shutil.copy(MODELS / "heads/eagle3/d2t.npy", bundle / "heads/mtp/d2t.npy")
+    config = json.loads((bundle / "heads/mtp/config.json").read_text())
+    (bundle / "heads/mtp/config.json").write_text(json.dumps({**config, "d2t": "d2t.npy"}))
+    vocab = bundle_engine.target.decoder.vocab_size
+    mtp = load_head("mtp", bundle / "heads/mtp", vocab, bundle_engine.bundle.target_hidden_size, "cpu")
+    allowed = set((np.arange(len(mtp.d2t)) + mtp.d2t).tolist())
+    assert mtp.lm_head.vocab_size == len(mtp.d2t) < vocab
+    proposal = MtpProposer(mtp).propose(head_context("mtp", target_state, 4))
+    assert len(proposal.tokens) == 3 and set(proposal.tokens) <= allowed  # width 4: three drafts
+    options = GenerationOptions(max_new_tokens=24, ignore_eos=True)
+    with Engine(bundle, bundle_engine.config.model_copy(update={"speculative": bundle_engine.config.speculative.model_copy(
+            update={"load": ("mtp",)})})) as engine:
+        for prompt in heldout_prompts[:3]:
+            expected = bundle_engine.generate(prompt, options.model_copy(update={"speculative_mode": "none"})).token_ids
+            assert engine.generate(prompt, options.model_copy(update={"speculative_mode": "mtp"})).token_ids == expected

@@ -38,8 +38,6 @@ class Eagle3Proposer(StatelessProposer):
         geometry = head.past_geometry()
         self._empty = np.zeros((1, geometry.num_kv_heads, 0, geometry.head_dim), np.float32)
 
-    def to_target_id(self, draft_id: int) -> int:
-        return draft_id if self.head.d2t is None else int(draft_id + self.head.d2t[draft_id])
 
     batchable = True  # a fresh state every pass: any group of sequences can share one run per step
 
@@ -80,7 +78,7 @@ class Eagle3Proposer(StatelessProposer):
                  "past_key_values.0.value": past_value})
             if published and step == 0:
                 fused_in = np.zeros_like(fused_in)
-            previous = [self.to_target_id(int(t)) for t in np.argmax(logits[:, -1], axis=-1)]
+            previous = self.head.target_ids(np.argmax(logits[:, -1], axis=-1))
             for row, token in zip(drafted, previous):
                 row.append(token)
         return [Proposal(row[: c.num_drafts]) for row, c in zip(drafted, contexts)]

@@ -5,7 +5,9 @@ Rust engine's ``MtpProposer``: target final hidden + target embedding of the gua
 It restarts every pass from a fresh target anchor (the Rust engine's "hidden threaded"
 mode), so it keeps nothing between rounds and drafts for a whole batch in one run per
 step. That engine's "cached" mode, which keeps the head's KV across rounds, is not implemented:
-the anchor already carries the target's state at the last accepted position."""
+the anchor already carries the target's state at the last accepted position. A head
+whose config names a ``d2t`` drafts over that reduced vocabulary: the LM head keeps only
+its rows (``engine.model.heads.load_head``) and draft ids map back as EAGLE-3's do."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -60,7 +62,7 @@ class MtpProposer(StatelessProposer):
                  "past_key_values.0.key": past_key, "past_key_values.0.value": past_value})
             named = dict(zip(self._outputs, outs))
             logits = named["logits"][:, -1] if self._own_logits else self.head.lm_head.logits(named["mtp_hidden"][:, -1])
-            previous = [int(t) for t in np.argmax(logits.reshape(batch, -1), axis=-1)]
+            previous = self.head.target_ids(np.argmax(logits.reshape(batch, -1), axis=-1))
             for row, token in zip(drafted, previous):
                 row.append(token)
             if "mtp_hidden" in named:

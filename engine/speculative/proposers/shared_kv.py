@@ -13,6 +13,9 @@ Two ways to start the chain, named by the head's ``config.json`` (``draft_feed``
   assistants are trained for; converted heads): the first step pairs the pending token
   with the target's hidden state that predicted it, at the pending token's position, and
   its draft is kept.
+
+A head whose config names a ``d2t`` drafts over that reduced vocabulary (its own LM head
+has those rows only), mapped back to target ids as EAGLE-3's are.
 """
 from __future__ import annotations
 
@@ -108,7 +111,7 @@ class SharedKvProposer(StatelessProposer):
             if bootstrap and step == 0:
                 last = [c.guaranteed_token for c in contexts]  # bootstrap: its own draft is discarded
             else:
-                last = [int(t) for t in np.argmax(logits[:, -1], axis=-1)]
+                last = self.head.target_ids(np.argmax(logits[:, -1], axis=-1))
                 for row, token in zip(drafted, last):
                     row.append(token)
         return [Proposal(row[: c.num_drafts]) for row, c in zip(drafted, contexts)]

@@ -1,0 +1,59 @@
+"""Every head of the default model rebuilt from its GGUF, in one command:
+
+    .venv-convert/bin/python -m modelbuild.distill [--minutes eagle3=78 mtp=20 ...] [--train-answers 1500]
+
+1. the target converted from the package index's GGUF (``modelbuild.default_model``);
+2. its own answers to the chat prompts (``generate``);
+3. its states over them (``extract``), the training split cut to ``--train-answers``;
+4. the heads trained and exported into the bundle, in two lanes of one thread each (a
+   core each on 2 cores): EAGLE-3 in one, then MTP, the shared-KV assistant and the
+   draft model in the other (``train``, ``draft_model``).
+
+Every step resumes where an interrupted run stopped (answers on disk, extracted splits,
+checkpoints), so rerunning the command after a stop loses at most a checkpoint interval.
+The seeds are the steps' defaults, recorded with each head in the manifest.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+from . import extract, generate
+
+MINUTES = {"eagle3": 78.0, "mtp": 20.0, "shared_kv": 20.0, "draft_model": 20.0}
+LANES = (("eagle3",), ("mtp", "shared_kv", "draft_model"))
+
+
+def training_command(kind: str, minutes: float, bundle: str) -> list[str]:
+    step = ["modelbuild.distill.draft_model"] if kind == "draft_model" else ["modelbuild.distill.train", kind]
+    return [sys.executable, "-m", *step, "--threads", "1", "--minutes", str(minutes), "--bundle", bundle,
+            "--export", bundle]
+
+
+def run_lane(commands: list[list[str]]) -> None:
+    for command in commands:
+        subprocess.run(command, check=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", nargs="*", default=[], metavar="KIND=MINUTES",
+                        help=f"training time per head (defaults: {MINUTES})")
+    parser.add_argument("--train-answers", type=int, default=1500)
+    args = parser.parse_args(argv)
+    minutes = {**MINUTES, **{k: float(v) for k, v in (item.split("=", 1) for item in args.minutes)}}
+    from ..default_model import ensure_default_model
+
+    bundle = ensure_default_model()
+    generate.main(["--bundle", str(bundle)])
+    extract.main(["--bundle", str(bundle), "--train-answers", str(args.train_answers)])
+    lanes = [[training_command(kind, minutes[kind], str(bundle)) for kind in lane] for lane in LANES]
+    with ThreadPoolExecutor(len(lanes)) as pool:
+        for done in [pool.submit(run_lane, lane) for lane in lanes]:
+            done.result()
+
+
+if __name__ == "__main__":
+    main()
