@@ -16,6 +16,10 @@ against round-robin with two target replicas.
    against those whose tail is a whole block; and what caching costs a cold prefill
    (naming its blocks writes their KV into the pools), as the cold TTFT of the whole
    prompt with prefix caching on (after a reset) against an engine with it off.
+   On the test fixture (``--fixture``: the default model has no draft model), the draft
+   model's own prefix cache: the first drafting round of a ``draft_model`` request (from
+   its first token to its second: the draft's first contact feeds it the whole context
+   unless its pool caches the prefix), cold against warm.
 3. **Routing**, two target replicas with ``--kv-blocks`` blocks each (a few system prompts'
    worth): ``--prefixes`` system prompts (the shared one, each under its own first line),
    ``--requests-per-prefix`` questions each, shuffled with a fixed seed and sent by
@@ -172,6 +176,33 @@ def in_process_costs(model_dir: str, pairs: int) -> None:
           f"{1000 * off:.1f} ms ({on / off:.3f}x: naming the blocks writes the prompt's KV into the pools)\n")
 
 
+def draft_first_contact(fixture: str, pairs: int) -> None:
+    """The first drafting round of a draft-model request, its prefix cold (after a reset)
+    and warm (the same prompt again), interleaved, on the fixture in-process."""
+    from engine import Engine, EngineConfig, GenerationOptions, SpeculativeConfig
+
+    config = EngineConfig(device="cpu", speculative=SpeculativeConfig(load=("draft_model",), adaptive=False),
+                          scheduler={"max_batch_size": 1})
+    prompts = [p["prompt"] for p in json.loads((ROOT / "tests/data/heldout_prompts.json").read_text())]
+    system = "\n".join(prompts[:3]) + "\n"
+    options = GenerationOptions(max_new_tokens=6, speculative_mode="draft_model", temperature=0, ignore_eos=True)
+    rounds: dict[str, list[float]] = {"cold": [], "warm": []}
+    with Engine(fixture, config) as engine:
+        engine.generate(system + prompts[5], options)  # warm-up
+        for i in range(pairs):
+            prompt = system + prompts[6 + i % 10]
+            for name in ("cold", "warm"):
+                if name == "cold":
+                    engine.reset_prefix_cache()
+                stamps: list[float] = []
+                engine.generate(prompt, options, on_token=lambda event: stamps.append(time.perf_counter()))
+                rounds[name].append(stamps[1] - stamps[0])
+        tokens = len(engine.factory.encode(system + prompts[6]))
+    cold, warm = (statistics.median(rounds[name]) for name in ("cold", "warm"))
+    print(f"Draft model, first drafting round of a ~{tokens}-token prompt on the fixture ({pairs} interleaved pairs): "
+          f"its prefix cold {1000 * cold:.1f} ms, cached in the draft's own pool {1000 * warm:.1f} ms\n")
+
+
 # -- 3. routing ----------------------------------------------------------------------------------
 def routing_run(url: str, jobs: list[tuple[int, list[dict]]], concurrency: int, max_tokens: int
                 ) -> tuple[list[Reply], dict]:
@@ -220,6 +251,7 @@ def routing(model_dir: str, prefixes: int, per_prefix: int, concurrency: int, kv
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", default="models/smollm2-135m-instruct")
+    parser.add_argument("--fixture", default="models/fixture", help="a bundle with a draft model")
     parser.add_argument("--questions", type=int, default=5, help="cold vs warm: questions behind the system prompt")
     parser.add_argument("--tail-pairs", type=int, default=5, help="recomputed tail: interleaved pairs")
     parser.add_argument("--prefixes", type=int, default=4, help="routing: distinct system prompts")
@@ -236,6 +268,7 @@ def main() -> None:
         finally:
             shutdown()
         in_process_costs(args.model_dir, args.tail_pairs)
+        draft_first_contact(args.fixture, args.tail_pairs * 2)
         routing(args.model_dir, args.prefixes, args.requests_per_prefix, args.concurrency, args.kv_blocks,
                 args.max_tokens)
 
