@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/soak.py [--url http://127.0.0.1:8000] [--concurrency 64] [--minutes 5] [--max-tokens 48]
         [--modes none,prompt_lookup,draft_model,mtp,eagle3,shared_kv] [--check-fraction 1.0]
-        [--start-server] [--port 8000] [--json PATH] [--record DIR]
+        [--shared-prefix] [--start-server] [--port 8000] [--json PATH] [--record DIR]
 
 A short benchmark shows speed; a soak shows what only long, mixed load shows: requests
 that fail under pressure, outputs that drift when many sequences share a batch, KV
@@ -10,13 +10,17 @@ blocks that are never given back. ``--concurrency`` worker threads each send gre
 streaming completions back to back until the time is up, taking (mode, prompt)
 round-robin: request i uses mode i % len(modes) and prompt (i // len(modes)) % prompts,
 so a full cycle sends every prompt in every mode. EOS is ignored, so every request asks
-for exactly ``--max-tokens`` tokens.
+for exactly ``--max-tokens`` tokens. ``--shared-prefix`` starts every prompt with the same
+~150 tokens, as a system prompt would, so most of each prefill comes from the prefix
+cache (and, on a small pool, its blocks are evicted and re-made under load).
 
 Correctness: speculation is lossless, so the greedy output of every mode must equal the
 target-only output of the in-process engine. Those reference token ids are computed once
 per prompt before the load starts (``--check-fraction`` checks an evenly spread subset of
 the prompts). Leaks: the KV free-block count from ``/specserve/status`` is read before the
-load and, once no sequence is left (up to 30 s, releases trail the last token), after it.
+load and, once no sequence is left (up to 30 s, releases trail the last token), after it
+(cached prefix blocks count as free: no sequence holds them). The prompt tokens found in
+the prefix cache over the run are printed too.
 
 Latencies printed: TTFT (send -> first token), inter-token latency per token (a round's
 tokens arrive in one write and share an arrival time, so the gaps inside a write are 0
@@ -72,8 +76,14 @@ class RequestRecord:
     error: str | None = None
 
 
-def load_prompts() -> list[str]:
-    return [p["prompt"] for p in json.loads((ROOT / "tests/data/heldout_prompts.json").read_text())]
+def load_prompts(shared_prefix: bool = False) -> list[str]:
+    """The held-out prompts; with ``shared_prefix``, each after the same text: the last
+    two of them, joined (~150 tokens of the fixture's tokenizer)."""
+    prompts = [p["prompt"] for p in json.loads((ROOT / "tests/data/heldout_prompts.json").read_text())]
+    if not shared_prefix:
+        return prompts
+    prefix = "\n".join(prompts[-2:]) + "\n"
+    return [prefix + p for p in prompts]
 
 
 def checked_indices(count: int, fraction: float) -> set[int]:
@@ -145,10 +155,14 @@ def stream_one(client: httpx.Client, url: str, prompt: str, prompt_index: int, m
     return record
 
 
-def read_kv(client: httpx.Client, url: str) -> dict:
+def read_status(client: httpx.Client, url: str) -> dict:
     response = client.get(f"{url}/specserve/status")
     response.raise_for_status()
-    return response.json()["kv"]
+    return response.json()
+
+
+def read_kv(client: httpx.Client, url: str) -> dict:
+    return read_status(client, url)["kv"]
 
 
 def settled_kv(client: httpx.Client, url: str, timeout_s: float = KV_SETTLE_S) -> dict:
@@ -168,19 +182,20 @@ def _percentiles_ms(values_s: list[float], qs: tuple[int, ...]) -> dict[str, flo
 
 
 def run_soak(url: str, concurrency: int, seconds: float, max_tokens: int, modes: list[str] | tuple[str, ...],
-             check_fraction: float) -> dict:
+             check_fraction: float, shared_prefix: bool = False) -> dict:
     """Load ``url`` for ``seconds`` from ``concurrency`` threads; return the summary (see ``format_summary``)."""
     check_loopback(url)
     if not 0.0 <= check_fraction <= 1.0:
         raise ValueError(f"check_fraction must be in [0, 1], got {check_fraction}")
     modes = list(modes)
     url = url.rstrip("/")
-    prompts = load_prompts()
+    prompts = load_prompts(shared_prefix)
     checked = checked_indices(len(prompts), check_fraction)
     limits = httpx.Limits(max_connections=concurrency + 1, max_keepalive_connections=concurrency + 1)
     with httpx.Client(timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0), limits=limits,
                       trust_env=False) as client:
-        kv_start = read_kv(client, url)  # first: an unreachable server fails before the references are built
+        status_start = read_status(client, url)  # first: an unreachable server fails before the references are built
+        kv_start = status_start["kv"]
         expected = reference_token_ids([prompts[i] for i in sorted(checked)], max_tokens)
         counter = itertools.count()  # next() on a count is atomic under the GIL: a shared round-robin ticket
         started = time.perf_counter()
@@ -198,6 +213,7 @@ def run_soak(url: str, concurrency: int, seconds: float, max_tokens: int, modes:
             records = [r for rs in pool.map(worker, range(concurrency)) for r in rs]
         duration = time.perf_counter() - started
         kv_end = settled_kv(client, url)
+        cache_start, cache_end = status_start["prefix_cache"], read_status(client, url)["prefix_cache"]
 
     failed = [r for r in records if r.error is not None]
     done = [r for r in records if r.error is None]
@@ -229,7 +245,8 @@ def run_soak(url: str, concurrency: int, seconds: float, max_tokens: int, modes:
         "e2e_ms": _percentiles_ms([r.ended - r.sent for r in done], (50, 99)),
         "kv": {"total_blocks": kv_start["total_blocks"], "free_blocks_start": kv_start["free_blocks"],
                "free_blocks_end": kv_end["free_blocks"], "sequences_end": kv_end["sequences"],
-               "returned": kv_returned},
+               "cached_blocks_end": kv_end["cached_blocks"], "returned": kv_returned},
+        "prefix_cache": {key: cache_end[key] - cache_start[key] for key in ("queried_tokens", "hit_tokens")},
         "ok": not failed and not identity_failures and kv_returned,
     }
 
@@ -253,8 +270,11 @@ def format_summary(s: dict) -> str:
         f"  ITL ms per token     {row(s['itl_per_token_ms'])}   (tokens of one write share an arrival: 0 gaps counted)",
         f"  ITL ms per write     {row(s['itl_per_write_ms'])}   (gap between arrivals that carried tokens)",
         f"  end-to-end ms        {row(s['e2e_ms'])}",
-        (f"  KV free blocks       {kv['free_blocks_start']} -> {kv['free_blocks_end']} of {kv['total_blocks']}, "
-         f"{kv['sequences_end']} sequences left: {'all returned' if kv['returned'] else 'NOT RETURNED'}"),
+        (f"  KV free blocks       {kv['free_blocks_start']} -> {kv['free_blocks_end']} of {kv['total_blocks']} "
+         f"({kv['cached_blocks_end']} of them keeping cached prefixes), {kv['sequences_end']} sequences left: "
+         f"{'all returned' if kv['returned'] else 'NOT RETURNED'}"),
+        (f"  prefix cache         {s['prefix_cache']['hit_tokens']} of {s['prefix_cache']['queried_tokens']} prompt "
+         f"tokens found cached"),
         f"  result               {'PASS' if s['ok'] else 'FAIL'}",
     ]
     return "\n".join(lines)
@@ -294,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--modes", type=_modes, default=list(SPECULATIVE_MODES))
     parser.add_argument("--check-fraction", type=float, default=1.0, help="share of prompts checked for identity")
+    parser.add_argument("--shared-prefix", action="store_true", help="every prompt after the same ~150 tokens")
     parser.add_argument("--start-server", action="store_true", help="start Ray + specserve here, on --port")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--json", type=Path, default=None, help="also write the summary as JSON here")
@@ -310,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         with local_server(args.port) if args.start_server else nullcontext(args.url) as url:
             try:
                 summary = run_soak(url, args.concurrency, args.minutes * 60, args.max_tokens, args.modes,
-                                   args.check_fraction)
+                                   args.check_fraction, args.shared_prefix)
             except httpx.HTTPError as exc:  # /specserve/status unreachable: no server there
                 parser.exit(2, f"{parser.prog}: cannot read {url}/specserve/status: {type(exc).__name__}: {exc}\n")
         print(format_summary(summary), flush=True)

@@ -3,9 +3,11 @@ any Prometheus that scrapes Ray's metrics endpoint).
 
 The speculative counters carry vLLM's names (``spec_decode_num_drafts``,
 ``spec_decode_num_draft_tokens``, ``spec_decode_num_accepted_tokens``,
-``spec_decode_num_accepted_tokens_per_pos``), so dashboards built for vLLM read them;
-Ray's exporter adds its ``ray_`` prefix. Every metric is tagged with the proposer mode
-where one applies, and Serve adds the deployment, replica and application tags.
+``spec_decode_num_accepted_tokens_per_pos``), and so do the prefix cache's
+(``prefix_cache_queries``, ``prefix_cache_hits``: prompt tokens looked up, and found
+cached), so dashboards built for vLLM read them; Ray's exporter adds its ``ray_``
+prefix. Every metric is tagged with the proposer mode where one applies, and Serve adds
+the deployment, replica and application tags.
 """
 from __future__ import annotations
 
@@ -89,6 +91,12 @@ class ServeRoundMetrics(RoundMetrics):
         self.active = metrics.Gauge("specserve_active_sequences", "sequences being decoded")
         self.kv_used = metrics.Gauge("specserve_kv_blocks_used", "KV blocks reserved by running sequences")
         self.kv_free = metrics.Gauge("specserve_kv_blocks_free", "KV blocks free for admission")
+        self.kv_cached = metrics.Gauge("specserve_kv_blocks_cached", "KV blocks no sequence holds that keep a cached "
+                                       "prefix (counted in the free blocks: reused last)")
+        self.cache_queries = metrics.Counter(
+            "prefix_cache_queries", "prompt tokens looked up in the prefix cache at admission (vLLM's name)")
+        self.cache_hits = metrics.Counter(
+            "prefix_cache_hits", "prompt tokens found in the prefix cache: their KV is shared, not computed (vLLM)")
         self._pending: defaultdict[tuple, int] = defaultdict(int)  # counts of the tick in progress
 
     # -- RoundMetrics ------------------------------------------------------------------------
@@ -128,6 +136,14 @@ class ServeRoundMetrics(RoundMetrics):
         for position in range(accepted):
             add[(self.accepted_per_pos, (("mode", mode), ("position", str(position))))] += 1
 
+    def prefix_cache(self, queried: int, hit: int) -> None:
+        """Counted at once: once per request, not per round."""
+        super().prefix_cache(queried, hit)
+        if queried:
+            self.cache_queries.inc(queried)
+        if hit:
+            self.cache_hits.inc(hit)
+
     def fault(self, kind: str, mode: str = "") -> None:
         """Counted at once (faults are rare; a dashboard should see them without a tick)."""
         super().fault(kind, mode)
@@ -147,3 +163,4 @@ class ServeRoundMetrics(RoundMetrics):
     def kv(self, usage: dict) -> None:
         self.kv_used.set(usage["reserved_blocks"])
         self.kv_free.set(usage["free_blocks"])
+        self.kv_cached.set(usage["cached_blocks"])

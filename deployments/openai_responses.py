@@ -75,9 +75,12 @@ def merged_stats(drivers: Sequence[SequenceDriver]) -> SpeculativeStats:
     return total
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's ``usage``; ``prompt_tokens_details.cached_tokens``: the prompt tokens whose
+    KV came from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def completion_logprobs(items: Sequence[TokenLogprob], offset: int = 0, first: str | None = None) -> dict:
@@ -130,7 +133,7 @@ class ResponseShaper:
         self.echoes = echoes
         self.continuous_usage = include_usage and continuous_usage  # vLLM's continuous_usage_stats
         self.event_per_token = event_per_token  # ``stream_events: token``: one chunk per token
-        self._prompt_tokens = self._streamed = 0  # for it: the prompts' tokens, the tokens streamed so far
+        self._prompt_tokens = self._streamed = self._cached = 0  # for it: prompts', streamed and cached tokens
         self.id, self.created = new_id("chatcmpl" if chat else "cmpl"), now()
         self._offsets: dict[int, int] = {}  # per choice, token text streamed so far (text_offset)
         self._started: set[int] = set()  # choices that have had a chunk
@@ -167,16 +170,18 @@ class ResponseShaper:
                 "speculative": speculative_body(merged_stats(drivers), drivers[0].num_drafts)}
 
     def _usage(self, drivers: Sequence[SequenceDriver]) -> dict:
-        """Each prompt counted once, as OpenAI does for ``n`` choices."""
-        return usage_body(sum(d.state.prompt_len for d in drivers[:: self.per_prompt]),
-                          sum(len(d.state.generated) for d in drivers))
+        """Each prompt counted once, as OpenAI does for ``n`` choices (its cached tokens
+        are its first choice's)."""
+        firsts = drivers[:: self.per_prompt]
+        return usage_body(sum(d.state.prompt_len for d in firsts), sum(len(d.state.generated) for d in drivers),
+                          sum(d.cached_tokens for d in firsts))
 
     # -- stream --------------------------------------------------------------------------
     def _chunk(self, choices: list, **extra) -> str:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         if self.include_usage:  # OpenAI's: null on every chunk but the usage one; vLLM's continuous: so far
-            extra.setdefault("usage", usage_body(self._prompt_tokens, self._streamed) if self.continuous_usage
-                             else None)
+            extra.setdefault("usage", usage_body(self._prompt_tokens, self._streamed, self._cached)
+                             if self.continuous_usage else None)
         return "data: " + json.dumps({"id": self.id, "object": kind, "created": self.created,
                                       "model": self.model_name, "choices": choices, **extra}) + "\n\n"
 
@@ -184,6 +189,7 @@ class ResponseShaper:
         """What a stream starts with: chat announces the assistant role, per choice;
         completions nothing."""
         self._prompt_tokens = sum(d.state.prompt_len for d in drivers[:: self.per_prompt])
+        self._cached = sum(d.cached_tokens for d in drivers[:: self.per_prompt])
         if not self.chat:
             return ""
         return "".join(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},

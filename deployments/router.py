@@ -236,7 +236,11 @@ class Router:
         """Operational view: KV blocks, active sequences, where coordinator time goes."""
         await self._ensure_ready()
         t = self.coordinator.timings
+        metrics = self.metrics
         return {"kv": await self.transport.kv_call("usage"), "active_sequences": self.coordinator.active,
+                "prefix_cache": {"enabled": self.factory.config.caches_prefixes,
+                                 "queried_tokens": metrics.prefix_cache_queries,
+                                 "hit_tokens": metrics.prefix_cache_hits},
                 "open_streams": self._open_streams, "stream_writes": self.write_budget.writes,
                 "modes": self.factory.modes, "default_mode": self.factory.default_mode,
                 **self._scheduler_stats(),
@@ -244,6 +248,13 @@ class Router:
                 "mean_tick_ms": 1000 * t.tick_s / t.ticks if t.ticks else 0.0,
                 "mean_propose_ms": 1000 * t.propose_s / t.ticks if t.ticks else 0.0,
                 "mean_target_ms": 1000 * t.target_s / t.ticks if t.ticks else 0.0}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(self) -> dict:
+        """vLLM's: forget every cached prefix on every target replica, so the next requests
+        run cold (for benchmarks). Running requests keep the blocks they share."""
+        await self._ensure_ready()
+        return {"status": "ok", "freed_blocks": await self.transport.reset_prefix_cache()}
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest):

@@ -63,7 +63,8 @@ class TargetModel:
             **TICK_WORKER_OPTIONS,
             "deployment_actors": [DeploymentActorConfig(
                 name=KV_MANAGER, actor_class=ray.remote(KVManager),
-                init_kwargs={"admission_timeout_s": settings.engine.scheduler.admission_timeout_s},
+                init_kwargs={"admission_timeout_s": settings.engine.scheduler.admission_timeout_s,
+                             "routing": settings.engine.scheduler.replica_routing},
                 actor_options={"num_cpus": 0.05})],
         }
 
@@ -104,17 +105,19 @@ class TargetModel:
     def _ensure_registered(self) -> None:
         """Make sure the (current) KV manager knows this replica's pool and worker. After
         the manager was restarted it knows nothing: re-register with every live
-        sequence's granted blocks, so its ledger is whole again and no block is granted
-        twice. (Not once it drains: its pool is leaving.)"""
+        sequence's granted blocks and the pool's named (cached) blocks, so its ledger is
+        whole again, no block is granted twice and cached prefixes stay shared. (Not once
+        it drains: its pool is leaving.)"""
         if getattr(self, "drained", False):
             return
         kv = kv_manager_handle()
         if ray.get(kv.has_pool.remote(self.replica_id), timeout=10):
             self.kv = kv
             return
-        live = ray.get(self.worker.live_grants.remote(), timeout=30)
+        live, names = ray.get(self.worker.pool_state.remote(), timeout=30)
         ray.get(kv.register_pool.remote(self.replica_id, self.info["num_blocks"], self.info["block_size"], live,
-                                        self.worker if self.direct else None), timeout=10)
+                                        self.worker if self.direct else None, names, self.info["prefix_caching"]),
+                timeout=10)
         self.kv = kv
 
     def describe(self) -> dict:

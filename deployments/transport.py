@@ -50,16 +50,17 @@ class ServeTransport:
             self.kv_manager = (await self.target.describe.remote())["kv_manager"]
             return await getattr(self.kv_manager, method).remote(*args)
 
-    async def admit(self, seq_id: Hashable, tokens: int, avoid: Sequence[str]) -> Grant:
+    async def admit(self, seq_id: Hashable, tokens: int, avoid: Sequence[str], prefix: Sequence[int] = ()) -> Grant:
         """Reserve KV on the KV manager. Cancelling an await of a Ray actor task does not
         cancel the task (checked here: an async actor method awaited and cancelled runs to
         its end), so a grant could land after its caller left, when the release sent on
         leaving had found nothing to release: such a grant is released when it lands."""
-        return await self._admission(self.kv_call("admit", seq_id, tokens, list(avoid)), [seq_id])
+        return await self._admission(self.kv_call("admit", seq_id, tokens, list(avoid), list(prefix)), [seq_id])
 
-    async def admit_many(self, requests: list[tuple[Hashable, int]]) -> list[Grant]:
+    async def admit_many(self, requests: list[tuple[Hashable, int, Sequence[int]]]) -> list[Grant]:
         """A request's choices, all at once or none (``KVManager.admit_many``)."""
-        return await self._admission(self.kv_call("admit_many", list(requests)), [s for s, _ in requests])
+        requests = [(seq_id, tokens, list(prefix)) for seq_id, tokens, prefix in requests]
+        return await self._admission(self.kv_call("admit_many", requests), [r[0] for r in requests])
 
     async def _admission(self, coroutine, seq_ids: list[Hashable]):
         call = asyncio.ensure_future(coroutine)
@@ -76,8 +77,14 @@ class ServeTransport:
             for seq_id in seq_ids:
                 asyncio.ensure_future(self.release(seq_id))
 
-    async def release(self, seq_id: Hashable) -> None:
-        await self.kv_call("release", seq_id)
+    async def publish(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
+        await self.kv_call("publish", seq_id, list(tokens))
+
+    async def release(self, seq_id: Hashable, tokens: Sequence[int] | None = None) -> None:
+        await self.kv_call("release", seq_id, None if tokens is None else list(tokens))
+
+    async def reset_prefix_cache(self) -> int:
+        return await self.kv_call("reset_prefix_cache")
 
     async def forget_target(self, replica: str) -> None:
         self.target_workers.pop(replica, None)

@@ -131,13 +131,18 @@ class TargetStepper:
         return {"eos_token_ids": list(self.decoder.eos_token_ids), "max_context": self.decoder.max_context,
                 "vocab_size": decoder.vocab_size, "extra_outputs": sorted(decoder.io.extra_outputs),
                 "providers": list(decoder.session.get_providers()), "num_blocks": self.decoder.cache.num_blocks,
-                "block_size": self.decoder.cache.block_size}
+                "block_size": self.decoder.cache.block_size, "prefix_caching": self.decoder.cache.prefix_caching}
 
     def verify_costs(self) -> VerifyCostTable:
         return self.worker.verify_costs()
 
     def live_grants(self) -> dict:
         return self.worker.live_grants()
+
+    def pool_state(self) -> tuple[dict, dict]:
+        """Live sequences' blocks and the named blocks, read together (one call: the
+        worker runs one at a time), for a KV manager that rebuilds its ledger."""
+        return self.worker.live_grants(), self.worker.block_names()
 
     def probe(self) -> None:
         self.worker.probe()
@@ -171,8 +176,8 @@ class TargetStepper:
     def usage(self) -> dict:
         cache = self.decoder.cache
         return {"total_blocks": cache.num_blocks, "free_blocks": cache.free_blocks,
-                "sequences": len(self.worker.sequences), "steps": self.steps, "step_s": self.step_s,
-                "compute_s": self.compute_s}
+                "cached_blocks": cache.cached_blocks, "sequences": len(self.worker.sequences), "steps": self.steps,
+                "step_s": self.step_s, "compute_s": self.compute_s}
 
 
 class ProposerStepper:

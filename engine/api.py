@@ -55,6 +55,7 @@ class GenerationResult:
     decode_seconds: float    # from the first token until ``generate`` returned
     speculative: SpeculativeStats = field(default_factory=SpeculativeStats)
     prompt_logprobs: list[TokenLogprob] | None = None  # of prompt tokens 1.. (options.prompt_logprobs)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not computed)
 
     @property
     def completion_tokens(self) -> int:
@@ -178,7 +179,8 @@ class Engine:
                                 prompt_tokens=state.prompt_len,
                                 logprobs=state.logprobs if state.options.logprobs else None,
                                 prefill_seconds=first - started, decode_seconds=returned - first,
-                                speculative=driver.stats, prompt_logprobs=state.prompt_logprobs)
+                                speculative=driver.stats, prompt_logprobs=state.prompt_logprobs,
+                                cached_tokens=driver.cached_tokens)
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         with self._lock:
@@ -189,6 +191,12 @@ class Engine:
                 self._loop = loop
                 atexit.register(self.close)  # stop the coordinator's tasks before the interpreter tears down
             return self._loop
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (vLLM's ``reset_prefix_cache``), so the next requests
+        run cold: for benchmarks. Running requests keep the blocks they share. Returns the
+        target's cached blocks freed."""
+        return asyncio.run_coroutine_threadsafe(self.transport.reset_prefix_cache(), self._event_loop()).result()
 
     def drain(self, timeout_s: float = 30.0) -> bool:
         """Wait until retired requests' blocks are all back (the release rides on the next

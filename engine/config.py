@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from engine.kv.replica_choice import ReplicaRouting
 from engine.options import MAX_SPECULATIVE_TOKENS, SpeculativeMode
 
 Device = Literal["auto", "cpu", "cuda"]  # where onnxruntime sessions run (``model.providers`` resolves "auto")
@@ -51,6 +52,10 @@ class SchedulerConfig(BaseModel):
         "overlap (remote workers) uses more than one"))
     admission_timeout_s: float = Field(30.0, gt=0, description=(
         "how long a request waits for KV blocks before it fails (HTTP 503 on the server)"))
+    replica_routing: ReplicaRouting = Field("prefix_aware", description=(
+        "which target replica admission puts a new sequence on: 'prefix_aware' the one caching the longest prefix "
+        "of its prompt while loads are within 8 sequences of each other, else the roomiest (Ray Serve LLM's "
+        "prefix-aware router); 'round_robin' each in turn"))
     proposer_timeout_s: float = Field(5.0, gt=0, description=(
         "a proposer call slower than this is abandoned; its rounds go without drafts"))
     proposer_backoff_s: float = Field(1.0, ge=0, description=(
@@ -92,6 +97,10 @@ class EngineConfig(BaseModel):
     sliding_window: int | None = Field(None, ge=2, description=(
         "keep at most this many KV tokens per sequence; speculative modes are refused with it"))
     sink_tokens: int = Field(0, ge=0, description="first tokens always kept when the window slides")
+    prefix_caching: bool | None = Field(None, description=(
+        "keep full KV blocks of final tokens after their sequence ends and share them with later prompts that "
+        "start with the same tokens (vLLM's automatic prefix caching). None: on, unless sliding_window is set "
+        "(a window evicts from the middle of a prompt); true with a window is refused"))
     max_context: int | None = Field(None, ge=2, description="override the model's context limit (tokens)")
     in_place_kv: bool = Field(True, description=(
         "run calls at batch 1 on a model's in-place twin (model.inplace.onnx beside model.onnx, when present): "
@@ -104,6 +113,18 @@ class EngineConfig(BaseModel):
         "loaded replica) may use cores beyond the worker's reservation, and batched calls keep to it"))
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
+
+    @model_validator(mode="after")
+    def _caching_needs_full_attention(self) -> "EngineConfig":
+        if self.prefix_caching and self.sliding_window is not None:
+            raise ValueError("prefix_caching needs a full-attention KV cache; it cannot be on with sliding_window "
+                             "(leave it unset, or false)")
+        return self
+
+    @property
+    def caches_prefixes(self) -> bool:
+        """Resolve ``prefix_caching``: on unless set false or a sliding window is set."""
+        return self.sliding_window is None if self.prefix_caching is None else self.prefix_caching
 
     def spinning(self, owns_cores: bool) -> bool:
         """Resolve ``thread_spinning``: ``owns_cores`` is True for the in-process engine."""

@@ -2,8 +2,9 @@
 manager are killed with ``ray.kill`` in the middle of a stream. Each stream must still
 deliver exactly the in-process engine's greedy tokens -- nothing lost, nothing
 duplicated -- every KV block must come back, and a recovered fault is counted, in the
-router and in Prometheus. (Its own Ray instance: the kills must not disturb the other
-integration tests.)"""
+router and in Prometheus. A dead target's prefix cache is gone with it; a restarted KV
+manager gets the live target's cached prefixes back. (Its own Ray instance: the kills
+must not disturb the other integration tests.)"""
 from __future__ import annotations
 
 import json
@@ -64,6 +65,16 @@ def _stream_with_fault(server: str, prompt: str, mode: str, fault) -> list[int]:
             if chunks == 3:
                 fault()
     return ids
+
+
+def _cached_tokens(server: str, prompt: str, bundle_engine) -> int:
+    """A short greedy request: its output must be the engine's; returns its cached tokens."""
+    response = httpx.post(f"{server}/v1/completions", timeout=60, json={
+        "model": "specserve", "prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True})
+    assert response.status_code == 200, response.text
+    expected = bundle_engine.generate(prompt, GenerationOptions(max_new_tokens=8, temperature=0)).token_ids
+    assert response.json()["choices"][0]["token_ids"] == expected
+    return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
 def _expected(bundle_engine, prompt: str) -> list[int]:
@@ -137,10 +148,13 @@ def test_a_killed_target_replica_is_replaced_and_the_stream_re_prefilled(server,
         replica = _handle("TargetModel").kv_usage.remote().result()["replica"]
         ray.kill(_replica_actor("TargetModel", replica), no_restart=True)
 
+    _cached_tokens(server, heldout_prompts[4], bundle_engine)
+    assert _cached_tokens(server, heldout_prompts[4], bundle_engine) > 0  # cached on the replica about to die
     ids = _stream_with_fault(server, heldout_prompts[1], "mtp", kill_target)
     assert ids == _expected(bundle_engine, heldout_prompts[1])  # no token lost or duplicated
     usage = _settled_kv()
     assert usage["replicas"] == 1 and usage["free_blocks"] == usage["total_blocks"]  # the dead pool is gone
+    assert _cached_tokens(server, heldout_prompts[4], bundle_engine) == 0  # and its cache with it
 
 
 def test_a_killed_kv_manager_is_restarted_and_no_request_returns_wrong_text(server, bundle_engine, heldout_prompts):
@@ -149,6 +163,7 @@ def test_a_killed_kv_manager_is_restarted_and_no_request_returns_wrong_text(serv
     def kill_kv_manager():
         ray.kill(_handle("TargetModel").describe.remote().result()["kv_manager"], no_restart=True)
 
+    _cached_tokens(server, heldout_prompts[3], bundle_engine)  # cached on the target, named in the ledger
     ids = _stream_with_fault(server, heldout_prompts[2], "shared_kv", kill_kv_manager)
     assert ids == _expected(bundle_engine, heldout_prompts[2])  # the running stream never needed it
     deadline, statuses = time.monotonic() + 90, []
@@ -160,6 +175,8 @@ def test_a_killed_kv_manager_is_restarted_and_no_request_returns_wrong_text(serv
         if response.status_code == 200:
             expected = bundle_engine.generate(heldout_prompts[3], GenerationOptions(max_new_tokens=16)).token_ids
             assert response.json()["choices"][0]["token_ids"] == expected
+            # the new ledger learned the target's cached blocks when it re-registered
+            assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
             break
         assert response.status_code == 503 and response.json()["error"]["message"], response.text
         time.sleep(1)  # a 503 means "retry later": one try a second, for at most the 90 s above

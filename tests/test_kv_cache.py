@@ -589,12 +589,14 @@ def test_the_ledger_reserves_whole_requests_on_the_roomiest_pool_and_refuses_wha
         ledger.try_admit("huge", 16 * 9)
     with pytest.raises(ValueError, match="already admitted"):
         ledger.try_admit("s1", 16)
-    assert ledger.usage() == {"replicas": 2, "total_blocks": 12, "free_blocks": 1, "reserved_blocks": 11,
-                              "sequences": 3}
+    usage = ledger.usage()
+    assert {k: usage[k] for k in ("replicas", "total_blocks", "free_blocks", "reserved_blocks", "sequences")} == {
+        "replicas": 2, "total_blocks": 12, "free_blocks": 1, "reserved_blocks": 11, "sequences": 3}
+    assert usage["per_replica"]["b"]["sequences"] == 2 and usage["per_replica"]["a"]["free_blocks"] == 0
     for seq in ("s1", "s2", "s3"):
         assert ledger.release(seq)
     assert ledger.usage()["free_blocks"] == 12 and not ledger.release("s1")
-    assert sorted(ledger._pools["b"].free) == list(range(8))
+    assert ledger.try_admit("all of b", 16 * 8).replica == "b"  # every block of b is back
 
 
 def test_a_rebuilt_ledger_never_grants_a_live_block_twice():

@@ -140,8 +140,8 @@ def test_a_small_pool_makes_requests_wait_for_room_not_fail(heldout_prompts, mon
     all_waiting = threading.Event()
     real_try_admit, real_feed = ledger.try_admit, engine.target.feed_batch
 
-    def try_admit(seq_id, tokens, avoid=()):
-        grant = real_try_admit(seq_id, tokens, avoid)
+    def try_admit(seq_id, tokens, avoid=(), prefix=()):
+        grant = real_try_admit(seq_id, tokens, avoid, prefix)
         if grant is None:
             refused.append(seq_id)
             if len(set(refused)) == len(jobs):
@@ -190,8 +190,8 @@ def test_admission_waits_for_room_up_to_its_timeout(heldout_prompts, monkeypatch
     waiting = threading.Event()
     real_try_admit = admission.ledger.try_admit
 
-    def try_admit(seq_id, tokens, avoid=()):
-        grant = real_try_admit(seq_id, tokens, avoid)
+    def try_admit(seq_id, tokens, avoid=(), prefix=()):
+        grant = real_try_admit(seq_id, tokens, avoid, prefix)
         if grant is None:
             waiting.set()
         return grant

@@ -512,7 +512,7 @@ def test_the_auth_scheme_is_case_insensitive(server):
                                      {"Authorization": f"Basic {API_KEY}"}])
 def test_without_the_api_key_every_endpoint_but_health_is_401(server, headers):
     for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/specserve/status"),
-                         ("POST", "/tokenize")):
+                         ("POST", "/tokenize"), ("POST", "/reset_prefix_cache")):
         response = httpx.request(method, f"{server}{path}", headers=headers, timeout=30,
                                  json={"model": "specserve", "prompt": "x"} if method == "POST" else None)
         assert response.status_code == 401, path
@@ -559,6 +559,46 @@ def test_prometheus_counters_agree_with_the_stats_responses_reported(client, met
     assert [_scrape(metrics_url, "ray_spec_decode_num_accepted_tokens_per_pos_total", mode="shared_kv",
                     position=str(i)) - b for i, b in enumerate(before_pos)] == expected_pos
     assert free == total_blocks  # the gauge reports the ledger: every block back once the requests ended
+
+
+def test_a_shared_prefix_is_reported_cached_counted_and_token_identical_in_every_mode(
+        server, client, metrics_url, bundle_engine, heldout_prompts):
+    """Per mode, after a reset: a cold request, then one sharing its ~300-token prefix,
+    give the engine's tokens; usage reports the warm one's cached tokens (OpenAI's
+    ``prompt_tokens_details.cached_tokens``, streamed too), and vLLM's counters on
+    Prometheus add up to what the responses reported."""
+    counters = ("ray_prefix_cache_queries_total", "ray_prefix_cache_hits_total")
+    before = {name: _scrape(metrics_url, name) for name in counters}
+    system = "\n".join(heldout_prompts[:3]) + "\n"
+    queried = hit = 0
+    for mode in MODES:
+        reset = httpx.post(f"{server}/reset_prefix_cache", headers=AUTH, timeout=30)
+        assert reset.status_code == 200 and reset.json()["status"] == "ok"
+        responses = [_complete(client, system + question, mode) for question in heldout_prompts[5:7]]
+        expected = [bundle_engine.generate(system + question, GenerationOptions(
+            max_new_tokens=MAX_TOKENS, speculative_mode=mode)).token_ids for question in heldout_prompts[5:7]]
+        assert [r.choices[0].model_extra["token_ids"] for r in responses] == expected, mode
+        cold, warm = (r.usage.prompt_tokens_details.cached_tokens for r in responses)
+        assert cold == 0 and warm >= 256, (mode, cold, warm)
+        queried += sum(r.usage.prompt_tokens for r in responses)
+        hit += warm
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": heldout_prompts[8]}]
+    first = client.chat.completions.create(model="specserve", messages=messages, max_tokens=4, temperature=0)
+    stream = client.chat.completions.create(model="specserve", messages=messages, max_tokens=4, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    last = list(stream)[-1].usage
+    assert first.usage.prompt_tokens_details.cached_tokens == 0 and last.prompt_tokens_details.cached_tokens >= 256
+    queried += first.usage.prompt_tokens + last.prompt_tokens
+    hit += last.prompt_tokens_details.cached_tokens
+    deadline = time.monotonic() + 30  # the router reports every 500 ms here
+    while True:
+        got = [_scrape(metrics_url, name) - before[name] for name in counters]
+        if got == [queried, hit] or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert got == [queried, hit]
+    status = httpx.get(f"{server}/specserve/status", headers=AUTH, timeout=30).json()
+    assert status["prefix_cache"]["enabled"] and status["kv"]["cached_blocks"] > 0
 
 
 def test_schemathesis_finds_no_server_errors(server):

@@ -1,7 +1,8 @@
 """A short soak (bench/soak.py) in CI: concurrent streams in every mode for 20 s against a real
-local server, with no errors, every greedy output token-identical to the engine, and every
-KV block back at the end -- leaks and cross-talk that single requests never show. The
-server's KV pool is small (160 blocks of 16 tokens), so requests also wait for room."""
+local server, every prompt after one shared prefix, with no errors, every greedy output
+token-identical to the engine, and every KV block back at the end -- leaks and cross-talk
+that single requests never show. The server's KV pool is small (160 blocks of 16 tokens),
+so requests also wait for room and cached prefix blocks are evicted and made again."""
 from __future__ import annotations
 
 import threading
@@ -26,7 +27,8 @@ def server():
 
 
 def test_a_short_soak_in_every_mode_has_no_errors_no_drift_and_no_kv_leak(server):
-    summary = run_soak(server, concurrency=8, seconds=20, max_tokens=24, modes=MODES, check_fraction=1.0)
+    summary = run_soak(server, concurrency=8, seconds=20, max_tokens=24, modes=MODES, check_fraction=1.0,
+                       shared_prefix=True)
     assert summary["requests_completed"] > 0
     assert summary["errors"] == 0, summary["error_samples"]
     assert summary["identity_checked"] == summary["requests_completed"]
@@ -34,6 +36,13 @@ def test_a_short_soak_in_every_mode_has_no_errors_no_drift_and_no_kv_leak(server
     kv = summary["kv"]
     assert kv["free_blocks_end"] == kv["free_blocks_start"] == kv["total_blocks"] and kv["sequences_end"] == 0
     assert all(summary["completed_by_mode"][mode] >= 1 for mode in MODES), summary["completed_by_mode"]
+    cache = summary["prefix_cache"]
+    assert cache["hit_tokens"] > cache["queried_tokens"] / 2  # most of every prefill came from the cache
+    # every block is free, or keeps a cached prefix no sequence holds; after a reset all are free
+    assert kv["cached_blocks_end"] > 0
+    assert httpx.post(f"{server}/reset_prefix_cache", timeout=30).json()["status"] == "ok"
+    after = _kv(server)
+    assert after["cached_blocks"] == 0 and after["free_blocks"] == KV_BLOCKS and after["sequences"] == 0
 
 
 def _kv(server: str) -> dict:

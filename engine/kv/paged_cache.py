@@ -25,6 +25,16 @@ rejected slots dead (the attention mask closes them), so neither a step nor a re
 copies the past. The new tokens reach the pools lazily, when something reads the pools
 (``materialize``, ``slice``) or the copy is dropped: one with too many dead slots is
 written out and re-gathered from the pools on next use.
+
+Prefix caching (``prefix_caching=True``, ``kv/prefix_cache.py``): a sequence's full
+blocks of final KV are named by their tokens (``publish``) and stay in the pool after it
+is freed, so a later sequence that starts with the same tokens holds the same blocks
+(``share_prefix``) instead of computing them. Named blocks are immutable: their KV is in
+the pools (``publish`` writes it out of the session's copy), no append writes below a
+sequence's end, and a rewind into them is refused, so rewinds only ever touch a
+sequence's private blocks. A named block no sequence holds is reused last (least
+recently used first) when no free block is left. Not under a sliding window, whose
+evictions would leave holes in a shared prefix.
 """
 from __future__ import annotations
 
@@ -34,6 +44,7 @@ from typing import Hashable, Sequence
 import numpy as np
 
 from engine.errors import EngineError
+from engine.kv.prefix_cache import ROOT_HASH, BlockPool, block_hashes, cacheable_blocks
 
 __all__ = [
     "KVCacheCapacityError",
@@ -78,6 +89,8 @@ class _Seq:
     reserved: list[int] | None = None  # blocks granted up front (by a KV manager), used in order
     session: "SessionPast | None" = None  # last dense past in the session's layout, see module docstring
     written: int = 0  # retained tokens whose KV is in the pools; the rest only in ``session``
+    frozen: int = 0  # leading table blocks that are named (shared or published): immutable, never rewound
+    chain: int = ROOT_HASH  # the name of block ``frozen - 1``, which the next one's chains to
 
     @property
     def length(self) -> int:
@@ -172,6 +185,7 @@ class PagedKVCache:
         dtype: np.dtype = np.float32,
         sliding_window: int | None = None,
         sink_tokens: int = 0,
+        prefix_caching: bool = False,
     ) -> None:
         self.layers: tuple[LayerGeometry, ...] = tuple(layers)
         if not self.layers:
@@ -188,6 +202,9 @@ class PagedKVCache:
         if sliding_window is not None and sliding_window <= sink_tokens:
             raise ValueError(
                 f"sliding_window must be None or > sink_tokens ({sink_tokens}), got {sliding_window}")
+        if prefix_caching and sliding_window is not None:
+            raise ValueError("prefix caching needs a full-attention KV cache: a sliding window evicts tokens from the "
+                             "middle of a sequence, which would leave holes in a shared prefix")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = np.dtype(dtype)
@@ -195,8 +212,7 @@ class PagedKVCache:
         self.sink_tokens = sink_tokens
         self._key_pools = [self._new_pool(g) for g in self.layers]
         self._value_pools = [self._new_pool(g) for g in self.layers]
-        # A stack, reversed so that block 0 is handed out first (makes tables easy to read).
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._blocks = BlockPool(num_blocks, caching=prefix_caching)  # free, cached and held block ids
         self._seqs: dict[Hashable, _Seq] = {}
 
     def _new_pool(self, g: LayerGeometry) -> np.ndarray:
@@ -208,7 +224,8 @@ class PagedKVCache:
         """Register an empty sequence; it owns no blocks until its first append.
 
         ``reserved``: physical block ids granted to this sequence by an outside allocator
-        (the distributed KV manager). They leave the free list now; the sequence's appends
+        (the distributed KV manager), each free or cached (a cached one is evicted: the
+        allocator reuses it). They leave the free list now; the sequence's appends
         use them in order and only them, and rewinds hand them back to the reservation, so
         its block table is always a prefix of the grant and other sequences can never
         take them. Under a sliding window, blocks the window evicts go back to the grant too,
@@ -221,12 +238,12 @@ class PagedKVCache:
             self._seqs[seq_id] = _Seq()
             return
         reserved = [int(b) for b in reserved]
-        free = set(self._free)
-        taken = [b for b in reserved if b not in free]
-        if taken or len(set(reserved)) != len(reserved):
+        try:
+            self._blocks.take_these(reserved)
+        except ValueError:
+            taken = [b for b in reserved if not self._blocks.is_available(b)]
             raise KVCacheCapacityError(f"sequence {seq_id!r}: reserved blocks {taken or reserved} are not all "
-                                       "free and distinct; the reservation disagrees with this pool")
-        self._free = [b for b in self._free if b not in set(reserved)]
+                                       "free and distinct; the reservation disagrees with this pool") from None
         self._seqs[seq_id] = _Seq(reserved=reserved)
 
     def has_sequence(self, seq_id: Hashable) -> bool:
@@ -264,11 +281,88 @@ class PagedKVCache:
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: free ones and cached ones no sequence holds."""
+        return self._blocks.available
 
     @property
     def used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        """Blocks some sequence holds (a shared block counts once)."""
+        return self.num_blocks - self._blocks.available
+
+    # ------------------------------------------------------------------ prefix caching
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self._blocks.caching
+
+    @property
+    def cached_blocks(self) -> int:
+        """Named blocks no sequence holds: kept for later prompts, counted in ``free_blocks``."""
+        return self._blocks.cached
+
+    def block_names(self) -> dict[int, int]:
+        """Block -> the name of the full block of KV it holds (``kv.prefix_cache``), for a
+        ledger that rebuilds its view of this pool."""
+        return dict(self._blocks.names)
+
+    def frozen_tokens(self, seq_id: Hashable) -> int:
+        """Leading tokens of the sequence in named blocks: a rewind may not go below them."""
+        return self._get(seq_id).frozen * self.block_size
+
+    def share_prefix(self, seq_id: Hashable, tokens: Sequence[int], blocks: Sequence[int] | None = None) -> int:
+        """Start the empty sequence on cached blocks holding the leading full blocks of
+        ``tokens`` (what its prefill would feed); returns how many tokens they cover, whose
+        KV need not be fed. At most ``cacheable_blocks(len(tokens))``: the last token is
+        always fed. ``blocks``: the ones a ledger granted as cached (each must hold its
+        block of ``tokens`` here, or this raises and changes nothing); None: the longest
+        prefix this pool holds."""
+        s = self._get(seq_id)
+        if s.end or s.table:
+            raise ValueError(f"sequence {seq_id!r} already holds KV; only an empty sequence starts on a cached prefix")
+        if not self.prefix_caching:
+            if blocks:
+                raise KVCacheError(f"sequence {seq_id!r}: this pool caches no prefixes, so it has no blocks to share")
+            return 0
+        limit = cacheable_blocks(len(tokens), self.block_size)
+        names = block_hashes(tokens, self.block_size, count=limit)
+        if blocks is None:
+            blocks = self._blocks.lookup(names)
+        else:
+            blocks = [int(b) for b in blocks]
+            wrong = [b for b, name in zip(blocks, names) if not self._blocks.holds(b, name)]
+            if len(blocks) > limit or wrong:
+                raise KVCacheError(f"sequence {seq_id!r}: blocks {wrong or blocks} do not hold the KV of its first "
+                                   f"{len(blocks) * self.block_size} tokens in this pool; the ledger and the pool "
+                                   "disagree")
+        for block in blocks:
+            self._blocks.share(block)
+        s.table, s.frozen = list(blocks), len(blocks)
+        s.end = s.written = len(blocks) * self.block_size
+        s.chain = names[len(blocks) - 1] if blocks else ROOT_HASH
+        return s.end
+
+    def publish(self, seq_id: Hashable, tokens: Sequence[int]) -> int:
+        """``tokens`` are the sequence's first tokens and their KV is final (committed: no
+        later rewind goes below them). Name each full block among them, so that later
+        prompts starting with the same tokens share it; from now on it is immutable (its
+        KV is written to the pools now, and a rewind into it is refused). Returns how many
+        leading blocks are named."""
+        s = self._get(seq_id)
+        full = min(len(tokens), s.length) // self.block_size
+        if not self.prefix_caching or full <= s.frozen:
+            return s.frozen
+        self._flush(s)  # whoever shares these blocks reads them from the pools
+        names = block_hashes(tokens, self.block_size, s.chain, s.frozen, full - s.frozen)
+        for index, name in zip(range(s.frozen, full), names):
+            self._blocks.name(s.table[index], name)
+        s.frozen, s.chain = full, names[-1]
+        return full
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every named block (vLLM's ``reset_prefix_cache``): cached ones become
+        free, shared ones stay with their holders until they let go. Returns the cached
+        blocks freed."""
+        return self._blocks.reset()
 
     # ------------------------------------------------------------------ window geometry
 
@@ -335,7 +429,8 @@ class PagedKVCache:
         if s.reserved is not None:
             s.reserved[:0] = returned  # back to the front of the grant, in table order
         else:
-            self._free.extend(returned)
+            for block in returned:
+                self._blocks.drop(block)
 
     def apply_sliding_window(self, seq_id: Hashable) -> None:
         """Evict the oldest non-sink tokens beyond the window and free blocks left empty.
@@ -423,10 +518,10 @@ class PagedKVCache:
             raise KVCacheCapacityError(
                 f"sequence {seq_id!r} needs {plan.net_blocks} more block(s) to append {n} token(s) "
                 f"but only {len(s.reserved)} of its reserved blocks are left")
-        if s.reserved is None and plan.net_blocks > len(self._free):
+        if s.reserved is None and plan.net_blocks > self._blocks.available:
             raise KVCacheCapacityError(
                 f"sequence {seq_id!r} needs {plan.net_blocks} more block(s) to append {n} token(s) "
-                f"but only {len(self._free)} of {self.num_blocks} are free")
+                f"but only {self._blocks.available} of {self.num_blocks} are free")
         old_end = s.end
         # Grow the table with holes first, evict (which frees blocks), then fill the live holes:
         # eviction before allocation is what lets a full pool keep decoding under a window.
@@ -434,7 +529,7 @@ class PagedKVCache:
         s.end = plan.end
         self.apply_sliding_window(seq_id)
         for b in plan.allocate:
-            s.table[b] = self._free.pop() if s.reserved is None else s.reserved.pop(0)
+            s.table[b] = self._blocks.take(1)[0] if s.reserved is None else s.reserved.pop(0)
         return old_end
 
     def _write(self, s: _Seq, slots: np.ndarray, keys: Sequence[np.ndarray], values: Sequence[np.ndarray]) -> None:
@@ -489,11 +584,15 @@ class PagedKVCache:
         """Keep the first ``length`` retained tokens (e.g. drop rejected draft tokens).
 
         Rewinding into the sink tokens makes the evicted gap irrelevant, so ``dropped`` resets
-        to 0. Blocks wholly past the new physical end are freed; holes stay holes.
+        to 0. Blocks wholly past the new physical end are freed; holes stay holes. A rewind
+        below the sequence's named (shared) blocks is refused: they are immutable.
         """
         s = self._get(seq_id)
         if not 0 <= length <= s.length:
             raise ValueError(f"rewind length must be in [0, {s.length}] for sequence {seq_id!r}, got {length}")
+        if length < s.frozen * self.block_size:
+            raise KVCacheError(f"sequence {seq_id!r} cannot rewind to {length} tokens: its first "
+                               f"{s.frozen * self.block_size} are in shared (named) blocks, which are immutable")
         if s.session is not None and length < s.length:
             alive_slots = np.flatnonzero(s.session.alive)
             s.session.alive[alive_slots[length:]] = False
@@ -507,11 +606,11 @@ class PagedKVCache:
         del s.table[keep:]
 
     def free(self, seq_id: Hashable) -> None:
-        """Release all blocks of the sequence and forget it."""
+        """Release all blocks of the sequence and forget it. Its named blocks stay cached
+        (held by any other sequence that shares them, else reusable by later prompts)."""
         s = self._get(seq_id)
-        self._release(s, range(len(s.table)))
-        if s.reserved is not None:
-            self._free.extend(s.reserved)
+        for block in [b for b in s.table if b is not None] + list(s.reserved or ()):
+            self._blocks.drop(block)
         del self._seqs[seq_id]
 
     # ------------------------------------------------------------------ reading
@@ -559,6 +658,26 @@ class PagedKVCache:
         if kept is None:
             kept = s.session = self.gathered_past(seq_id)  # writes pending tokens out of the old copy first
         return kept
+
+    def read_into(self, seq_id: Hashable, keys: Sequence[np.ndarray], values: Sequence[np.ndarray]) -> None:
+        """Copy the retained past into slots ``[0, length)`` of per-layer ``[1, heads, C,
+        dim]`` arrays (an in-place buffer), straight from the pools: one copy, where
+        ``gathered_past`` and copying its result would make several (a sequence that
+        starts on a long cached prefix reads it so). Not under a window (no holes)."""
+        s = self._get(seq_id)
+        if s.dropped:
+            raise ValueError("read_into needs a sequence with nothing evicted")
+        self._flush(s)
+        full, tail = divmod(s.length, self.block_size)
+        ids = np.asarray(s.table[:full], np.intp)
+        for pools, arrays in ((self._key_pools, keys), (self._value_pools, values)):
+            for pool, array in zip(pools, arrays):
+                _, heads, _, dim = pool.shape
+                if full:  # the destination's first ``full`` blocks of slots, viewed block by block
+                    blocks = array[0, :, : full * self.block_size].reshape(heads, full, self.block_size, dim)
+                    np.take(pool, ids, axis=0, out=blocks.transpose(1, 0, 2, 3), mode="clip")
+                if tail:
+                    array[0, :, full * self.block_size: s.length] = pool[s.table[full], :, :tail]
 
     def kept_session(self, seq_id: Hashable) -> SessionPast | None:
         """The session-layout copy the cache holds for the sequence now (no gather), or

@@ -66,7 +66,7 @@ class CachedDecoder:
         self.max_context = int(limit)
         self.cache = PagedKVCache(self.decoder.layers, self.config.kv_num_blocks, self.config.kv_block_size,
                                   dtype=self.decoder.kv_dtype, sliding_window=self.config.sliding_window,
-                                  sink_tokens=self.config.sink_tokens)
+                                  sink_tokens=self.config.sink_tokens, prefix_caching=self.config.caches_prefixes)
         self.batch_layouts = BatchLayouts(self.cache)
         self.in_place = None  # the batch-1 twin, where the model has one and the cache allows it
         # Whether this decoder's sessions keep a thread pool spinning after each run.
@@ -175,16 +175,19 @@ class CachedDecoder:
         buffer, holding a copy of the live past, only where the session copy is no
         buffer's (a prefill, a batched call's row) or the buffer is full."""
         seq_id = request.seq_id
-        past = self.cache.session_past(seq_id, compact=False)
         length = self.cache.length(seq_id)
         needed = length + len(request.tokens)
-        buffer = past.buffer
+        past = self.cache.kept_session(seq_id)
+        buffer = past.buffer if past is not None else None
         if not (isinstance(buffer, KVBuffer) and needed <= buffer.capacity):
             buffer = self.in_place.new_buffer(buffer_capacity(needed, self.max_context))
-            live = past.live()
-            for layer, (key, value) in enumerate(zip(past.keys, past.values)):
-                buffer.keys[layer][:, :, :length] = key[:, :, live]
-                buffer.values[layer][:, :, :length] = value[:, :, live]
+            if past is None:  # a prefill (on a cached prefix, or none): its past is in the pools only
+                self.cache.read_into(seq_id, buffer.keys, buffer.values)
+            else:
+                live = past.live()
+                for layer, (key, value) in enumerate(zip(past.keys, past.values)):
+                    buffer.keys[layer][:, :, :length] = key[:, :, live]
+                    buffer.values[layer][:, :, :length] = value[:, :, live]
             self.buffers_made += 1
         logits, extras = self.in_place.run(buffer, length, np.asarray([request.tokens]))
         self.cache.append_in_buffer(seq_id, buffer, needed)

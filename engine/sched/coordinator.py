@@ -60,13 +60,18 @@ class Transport(Protocol):
     # lanes overlap one lane's proposing with another's verifying.
     concurrent: bool
 
-    async def admit(self, seq_id: Hashable, tokens: int, avoid: Sequence[str]) -> Grant:
-        """Reserve ``tokens`` of KV, waiting for room; raises ``AdmissionError``."""
+    async def admit(self, seq_id: Hashable, tokens: int, avoid: Sequence[str], prefix: Sequence[int] = ()) -> Grant:
+        """Reserve ``tokens`` of KV, waiting for room; raises ``AdmissionError``. ``prefix``:
+        the tokens the prefill feeds, whose cached blocks the grant shares."""
 
-    async def admit_many(self, requests: list[tuple[Hashable, int]]) -> list[Grant]:
+    async def admit_many(self, requests: list[tuple[Hashable, int, Sequence[int]]]) -> list[Grant]:
         """``admit`` for sequences that run together: all of them at once or none."""
 
-    async def release(self, seq_id: Hashable) -> None: ...
+    async def publish(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
+        """The sequence's target holds final KV for ``tokens``: the ledger may share their blocks."""
+
+    async def release(self, seq_id: Hashable, tokens: Sequence[int] | None = None) -> None:
+        """The target freed the sequence; ``tokens``: those whose KV was final there."""
 
     async def target_step(self, replica: str, prefills: list[PrefillItem], verifies: list[VerifyItem],
                           releases: list[Hashable]) -> list[TargetResult]: ...
@@ -101,6 +106,8 @@ class _Lane:
     target_releases: dict[str, list[Hashable]] = field(default_factory=lambda: defaultdict(list))
     proposer_releases: dict[tuple[str, str | None], list[Hashable]] = field(default_factory=lambda: defaultdict(list))
     kv_releases: list[Hashable] = field(default_factory=list)
+    final_tokens: dict[Hashable, list[int]] = field(default_factory=dict)  # retired sequences' final-KV tokens
+    kv_publishes: list[tuple[Hashable, list[int]]] = field(default_factory=list)  # finished prefills, for the ledger
     released_again: set = field(default_factory=set)  # proposer releases already re-sent once after a failed call
     task: asyncio.Task | None = None
     ticking: bool = False  # releases are in flight inside a tick
@@ -108,8 +115,8 @@ class _Lane:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.runs or self.ticking or self.kv_releases or any(self.target_releases.values())
-                    or any(self.proposer_releases.values()))
+        return bool(self.runs or self.ticking or self.kv_releases or self.kv_publishes
+                    or any(self.target_releases.values()) or any(self.proposer_releases.values()))
 
 
 @dataclass
@@ -168,17 +175,19 @@ class RoundCoordinator:
         needs while waiting for the rest, and one that could never fit whole fails at once."""
         loop = asyncio.get_running_loop()
         runs = [_Run(driver, loop.create_future()) for driver in drivers]
+        queries = [driver.cache_query for driver in drivers]
         try:
             if len(drivers) == 1:
-                grants = [await self.transport.admit(drivers[0].seq_id, drivers[0].kv_tokens, [])]
+                grants = [await self.transport.admit(drivers[0].seq_id, drivers[0].kv_tokens, [], queries[0])]
             else:
-                grants = await self.transport.admit_many([(d.seq_id, d.kv_tokens) for d in drivers])
+                grants = await self.transport.admit_many([(driver.seq_id, driver.kv_tokens, query)
+                                                          for driver, query in zip(drivers, queries)])
         except asyncio.CancelledError:
             for driver in drivers:  # an admit may land after we left
                 asyncio.ensure_future(self.transport.release(driver.seq_id))
             raise
-        for run, grant in zip(runs, grants):
-            run.grant = grant
+        for run, grant, query in zip(runs, grants, queries):
+            self._granted(run, grant, query)
             lane = self._lane_for(run.driver)
             lane.runs.append(run)
             self._ensure_running(lane)
@@ -194,6 +203,15 @@ class RoundCoordinator:
         if not driver.remote_proposer and len(self._lanes[0].runs) < self.max_batch:
             return self._lanes[0]
         return min(self._lanes, key=lambda la: len(la.runs))
+
+    def _granted(self, run: "_Run", grant: Grant, query: Sequence[int]) -> None:
+        """A run got its KV: count the prefix-cache lookup (vLLM's queries and hits, in
+        tokens); a request's cached tokens are those of its first prefill."""
+        run.grant = grant
+        if query:
+            self.metrics.prefix_cache(len(query), grant.cached_tokens)
+        if not run.driver.prefilled:
+            run.driver.cached_tokens = grant.cached_tokens
 
     async def follow(self, run: "_Run") -> None:
         """Wait for an admitted request to finish. Cancelling the caller (a client
@@ -270,9 +288,10 @@ class RoundCoordinator:
         in_calls += time.perf_counter() - calling
         for (replica, (_, runs)), outcome in zip(target_calls.items(), outcomes):
             self._take_target_results(lane, replica, runs, outcome)
+        publishes, lane.kv_publishes = lane.kv_publishes, []
         kv_releases, lane.kv_releases = lane.kv_releases, []
-        if kv_releases:
-            await self._release_all(kv_releases)
+        if publishes or kv_releases:
+            await self._update_ledger(publishes, kv_releases, lane.final_tokens)
 
         for run in list(lane.runs):
             if run.driver.finished:
@@ -361,14 +380,28 @@ class RoundCoordinator:
         return results
 
     async def _release_all(self, seq_ids: list[Hashable]) -> None:
-        """Give requests' blocks back to the ledger. A release that fails is logged and
-        counted, never dropped in silence: the blocks stay reserved until the ledger is
-        rebuilt (a restarted KV manager re-registers pools from their live sequences)."""
-        results = await self._gather(self.transport.release(s) for s in seq_ids)
-        for seq_id, result in zip(seq_ids, results):
+        """Give requests' blocks back to the ledger, caching nothing of theirs (their
+        target may no longer hold them)."""
+        await self._update_ledger([], seq_ids, {})
+
+    async def _update_ledger(self, publishes: list[tuple[Hashable, list[int]]], releases: list[Hashable],
+                             final_tokens: dict[Hashable, list[int]]) -> None:
+        """Tell the ledger which prefills finished (their blocks may be shared now) and
+        which requests' blocks are back (``final_tokens`` pops each one's tokens of final
+        KV, which stay cached). A release that fails is logged and counted, never dropped
+        in silence: the blocks stay reserved until the ledger is rebuilt (a restarted KV
+        manager re-registers pools from their live sequences); a failed publish only
+        means those blocks are not shared."""
+        calls = [self.transport.publish(seq_id, tokens) for seq_id, tokens in publishes]
+        calls += [self.transport.release(seq_id, final_tokens.pop(seq_id, None)) for seq_id in releases]
+        results = await self._gather(calls)
+        for n, result in enumerate(results):
             if isinstance(result, BaseException):
-                log.warning("releasing the KV blocks of %s failed: %r", seq_id, result)
-                self.metrics.fault("ledger_release_failed")
+                published = n < len(publishes)
+                seq_id = publishes[n][0] if published else releases[n - len(publishes)]
+                log.warning("%s the KV blocks of %s failed: %r", "publishing" if published else "releasing", seq_id,
+                            result)
+                self.metrics.fault("ledger_publish_failed" if published else "ledger_release_failed")
 
     def _propose_calls(self, lane: _Lane, decoding: list[_Run]) -> dict:
         groups: dict[tuple[str, str | None], list[tuple[_Run, ProposeItem]]] = defaultdict(list)
@@ -438,7 +471,7 @@ class RoundCoordinator:
         groups: dict[str, tuple[list, list, list[_Run]]] = {}
         for run in prefilling:
             prefills, _, runs = groups.setdefault(run.grant.replica, ([], [], []))
-            prefills.append(run.driver.prefill_item(run.grant.blocks))
+            prefills.append(run.driver.prefill_item(run.grant.blocks, run.grant.shared_blocks))
             runs.append(run)
         for run in decoding:
             _, verifies, runs = groups.setdefault(run.grant.replica, ([], [], []))
@@ -488,6 +521,8 @@ class RoundCoordinator:
             elif result.error is not None:
                 self._retire(lane, run, RequestFailedError(result.error))
             else:
+                if run.driver.needs_prefill:  # its target named the prefill's full blocks: so may the ledger
+                    lane.kv_publishes.append((run.driver.seq_id, run.driver.prefill_tokens))
                 try:
                     rounds = run.driver.complete(result.outcome, result.outcome.anchor, result.more)
                 except Exception as exc:  # noqa: BLE001 - e.g. a streaming consumer that went away
@@ -518,15 +553,16 @@ class RoundCoordinator:
             if self._forgetting is not None:
                 await asyncio.gather(self._forgetting, return_exceptions=True)
             await self._release_all([run.driver.seq_id])
+            query = run.driver.cache_query
             try:
-                grant = await self.transport.admit(run.driver.seq_id, run.driver.kv_tokens, [lost])
+                grant = await self.transport.admit(run.driver.seq_id, run.driver.kv_tokens, [lost], query)
             except Exception as exc:  # noqa: BLE001
                 self._retire(lane, run, RequestFailedError(f"could not move the request to a live target: {exc}"))
                 return
             finally:
                 run.readmitting = None
             if run in lane.runs:
-                run.grant = grant
+                self._granted(run, grant, query)
             else:  # retired (cancelled) while it waited: give the new grant straight back
                 lane.kv_releases.append(run.driver.seq_id)
             lane.wake.set()
@@ -542,6 +578,9 @@ class RoundCoordinator:
             self.planner.observe(SequenceRetired(seq_id))
         if run.grant is not None:
             lane.target_releases[run.grant.replica].append(seq_id)  # then the ledger, once the pages are free
+            final = run.driver.final_tokens
+            if final is not None:
+                lane.final_tokens[seq_id] = final  # their blocks stay cached, on the target and in the ledger
             run.grant = None
         elif run.readmitting is None:
             lane.kv_releases.append(seq_id)

@@ -25,18 +25,31 @@ class LocalTransport:
         cache = target.target.cache
         if cache.used_blocks:  # the ledger hands out ids of this very pool
             raise EngineError("the target pool must be empty when the ledger takes it over")
-        self.admission.ledger.register_pool(LOCAL_REPLICA, cache.num_blocks, cache.block_size)
+        self.admission.ledger.register_pool(LOCAL_REPLICA, cache.num_blocks, cache.block_size,
+                                            names=cache.block_names(), prefix_caching=cache.prefix_caching)
 
-    async def admit(self, seq_id: Hashable, tokens: int, avoid: Sequence[str]) -> Grant:
+    async def admit(self, seq_id: Hashable, tokens: int, avoid: Sequence[str], prefix: Sequence[int] = ()) -> Grant:
         # ``avoid`` names replicas that lost a sequence; the one local target never goes
         # away, so a sequence it lost is re-admitted right here (avoiding it would wait forever).
-        return await self.admission.admit(seq_id, tokens)
+        return await self.admission.admit(seq_id, tokens, prefix=prefix)
 
-    async def admit_many(self, requests: list[tuple[Hashable, int]]) -> list[Grant]:
+    async def admit_many(self, requests: list[tuple[Hashable, int, Sequence[int]]]) -> list[Grant]:
         return await self.admission.admit_many(requests)
 
-    async def release(self, seq_id: Hashable) -> None:
-        await self.admission.release(seq_id)
+    async def publish(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
+        self.admission.publish(seq_id, tokens)
+
+    async def release(self, seq_id: Hashable, tokens: Sequence[int] | None = None) -> None:
+        await self.admission.release(seq_id, tokens)
+
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix: the ledger's, the target's and each draft model's
+        own (run on the coordinator's loop, between ticks)."""
+        dropped = self.admission.reset_prefix_cache()
+        self.target.target.cache.reset_prefix_cache()
+        for worker in self.proposers.values():
+            worker.reset_prefix_cache()
+        return dropped
 
     async def target_step(self, replica: str, prefills: list[PrefillItem], verifies: list[VerifyItem],
                           releases: list[Hashable]) -> list[TargetResult]:

@@ -10,6 +10,13 @@ from collections import Counter
 class RoundMetrics:
     def __init__(self) -> None:
         self.faults: Counter[str] = Counter()  # swallowed failures by kind: never silent, always counted
+        self.prefix_cache_queries = self.prefix_cache_hits = 0  # tokens looked up, and found cached
+
+    def prefix_cache(self, queried: int, hit: int) -> None:
+        """One admission's prefix-cache lookup, in tokens (vLLM's ``prefix_cache_queries``
+        and ``prefix_cache_hits``)."""
+        self.prefix_cache_queries += queried
+        self.prefix_cache_hits += hit
 
     def draft_call(self, mode: str, seconds: float) -> None: ...
 
@@ -25,5 +32,6 @@ class RoundMetrics:
     def fault(self, kind: str, mode: str = "") -> None:
         """A failure the scheduler recovered from (the request went on): ``kind`` is one of
         ``proposer_failed``, ``proposer_timeout``, ``propose_batch_failed``,
-        ``ledger_release_failed``, ``target_lost`` (a sequence re-prefilled elsewhere)."""
+        ``ledger_release_failed``, ``ledger_publish_failed`` (a finished prefill's blocks
+        not shared), ``target_lost`` (a sequence re-prefilled elsewhere)."""
         self.faults[kind] += 1

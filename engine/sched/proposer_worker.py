@@ -27,6 +27,7 @@ from engine.errors import EngineError
 from engine.grammar.compiler import GrammarCompiler
 from engine.grammar.drafting import DraftGuide
 from engine.grammar.state import GrammarState
+from engine.model.cached_decoder import CachedDecoder
 from engine.options import GenerationOptions
 from engine.sched.metrics import RoundMetrics
 from engine.speculative.proposers.base import AcceptContext, Proposal, Proposer, ProposerContext
@@ -148,6 +149,12 @@ class ProposerWorker:
             for guide in guides:
                 guide.rewind()
         return [results[item.seq_id] for item in items]
+
+    def reset_prefix_cache(self) -> int:
+        """Forget the prefixes a draft model's own KV caches (``DraftModelProposer``);
+        heads keep no KV. Returns the cached blocks freed."""
+        model = self.loaded.model
+        return model.cache.reset_prefix_cache() if isinstance(model, CachedDecoder) else 0
 
     def release(self, seq_ids: Sequence[Hashable]) -> None:
         for seq_id in seq_ids:

@@ -61,8 +61,10 @@ def tokens_behind(since: int, unseen: int, num_drafts: int) -> int:
 class SequenceDriver:
     def __init__(self, seq_id: Hashable, state: SequenceState, mode: str, num_drafts: int, needs: Needs,
                  local_proposer: Proposer | None = None, remote_proposer: bool = False, kv_tokens: int = 0,
-                 adaptive: bool = False) -> None:
+                 adaptive: bool = False, prefix_caching: bool = False) -> None:
         self.seq_id, self.state, self.mode, self.num_drafts, self.needs = seq_id, state, mode, num_drafts, needs
+        self.prefix_caching = prefix_caching
+        self.cached_tokens = 0  # prompt tokens its first prefill found cached (OpenAI's ``cached_tokens``)
         self.kv_tokens = kv_tokens or len(state.tokens) + state.options.max_new_tokens  # KV to reserve
         self.adaptive = adaptive and mode != "none"  # the scheduler picks each round's drafts (<= num_drafts)
         self.round_num_drafts = num_drafts  # this round's draft count, as the scheduler chose it
@@ -87,10 +89,31 @@ class SequenceDriver:
         return not self.prefilled or self.resuming
 
     # -- what to send --------------------------------------------------------------------
-    def prefill_item(self, reserved_blocks: list[int] | None) -> PrefillItem:
-        """The prompt, or, after the sequence lost its target, every committed token."""
+    def prefill_item(self, reserved_blocks: list[int] | None, shared_blocks: int = 0) -> PrefillItem:
+        """The prompt, or, after the sequence lost its target, every committed token;
+        ``shared_blocks``: how many leading reserved blocks already hold their KV."""
         return PrefillItem(self.seq_id, list(self.state.tokens), self.state.options, self.needs, reserved_blocks,
-                           resume=self.resuming, rules=self.state.rules)
+                           resume=self.resuming, rules=self.state.rules, shared_blocks=shared_blocks)
+
+    @property
+    def prefill_tokens(self) -> list[int]:
+        """What the next prefill puts in the KV cache (``PrefillItem.fed``)."""
+        return self.state.tokens[:-1] if self.resuming else list(self.state.tokens)
+
+    @property
+    def cache_query(self) -> list[int]:
+        """The tokens admission looks up in the prefix cache: the next prefill's, unless
+        caching is off or the request wants every prompt row's logprobs."""
+        if not self.prefix_caching or (self.state.options.prompt_logprobs is not None and not self.prefilled):
+            return []
+        return self.prefill_tokens
+
+    @property
+    def final_tokens(self) -> list[int] | None:
+        """The tokens whose KV is final on the target now -- every committed token but the
+        pending one -- or None while it holds none for sure (before the first token, or
+        after it lost its target)."""
+        return self.state.tokens[:-1] if self.prefilled and not self.resuming else None
 
     def _drafts_this_round(self) -> int:
         """Most drafts this round may verify: the scheduler's choice, within the budget."""
@@ -317,4 +340,4 @@ class DriverFactory:
         return SequenceDriver(seq_id, state, mode, num_drafts, self.served.get(mode, NO_NEEDS), local,
                               remote_proposer=mode in self.served,
                               kv_tokens=self.kv_reservation(len(prompt_ids), options.max_new_tokens),
-                              adaptive=adaptive)
+                              adaptive=adaptive, prefix_caching=self.config.caches_prefixes)

@@ -11,7 +11,13 @@ in-process engine and every target replica run this worker.
 
 Physical KV blocks are granted by the block ledger (in-process, or the KV-manager
 actor): a prefill carries the block ids reserved for the sequence and the cache uses
-exactly those.
+exactly those. With prefix caching the grant's leading blocks may already hold the
+prompt's first full blocks (a hit): the prefill shares them and feeds only the rest,
+from a block boundary, and always at least its last token -- whose row gives the first
+token and every head's anchor, so a hit changes nothing a proposer sees. The worker
+names (publishes) a sequence's full blocks of final KV after its prefill and when it
+releases it, before the coordinator tells the ledger, so the ledger only ever shares
+blocks that hold what it thinks.
 """
 from __future__ import annotations
 
@@ -52,6 +58,13 @@ class PrefillItem:
     reserved_blocks: list[int] | None = None
     resume: bool = False
     rules: SequenceRules | None = None  # None: ``tokens`` is the prompt (rules from the options and the EOS)
+    shared_blocks: int = 0  # leading ``reserved_blocks`` that hold the prefix's KV already (a prefix-cache hit)
+
+    @property
+    def fed(self) -> list[int]:
+        """The tokens whose KV the prefill puts in the cache: the prompt, or for a resume
+        every committed token but the pending one."""
+        return self.tokens[:-1] if self.resume else self.tokens
 
 
 @dataclass(frozen=True)
@@ -98,6 +111,10 @@ class TargetWorker:
         """Every live sequence's granted blocks, to rebuild a ledger that was lost."""
         return {seq_id: self.target.cache.owned_blocks(seq_id) for seq_id in self._seqs}
 
+    def block_names(self) -> dict[int, int]:
+        """Which blocks hold which named (cacheable) KV, to rebuild a ledger that was lost."""
+        return self.target.cache.block_names()
+
     def probe(self) -> None:
         """Health probe: the real target session on one token (raises if it is broken)."""
         self.target.probe()
@@ -119,10 +136,15 @@ class TargetWorker:
         return results + self._verify(list(verifies))
 
     def release(self, seq_ids: Sequence[Hashable]) -> None:
+        """Free the sequences' pages; the full blocks of their committed tokens stay
+        cached for later prompts (the pending token's KV was never computed)."""
+        cache = self.target.cache
         for seq_id in seq_ids:
-            self._seqs.pop(seq_id, None)
-            if self.target.cache.has_sequence(seq_id):
-                self.target.cache.free(seq_id)
+            seq = self._seqs.pop(seq_id, None)
+            if cache.has_sequence(seq_id):
+                if seq is not None:
+                    cache.publish(seq_id, seq.tokens[:-1])
+                cache.free(seq_id)
 
     # -- prefill -------------------------------------------------------------------------
     def _prefill(self, item: PrefillItem) -> TargetResult:
@@ -131,9 +153,15 @@ class TargetWorker:
         try:
             if item.resume and item.rules is None:  # its tokens are not its prompt: the rules cannot be derived
                 raise ValueError("a resuming prefill must carry the sequence's rules")
-            cache.add_sequence(item.seq_id, item.reserved_blocks)
-            feed = item.tokens[:-1] if item.resume else item.tokens
-            out = self.target.feed_batch([FeedRequest(item.seq_id, feed, 0)])[0]
+            feed = item.fed
+            reserved, shared = item.reserved_blocks, item.shared_blocks
+            if shared and not item.resume and item.options.prompt_logprobs is not None:
+                raise ValueError("a prefill with prompt_logprobs needs every prompt row: it cannot start on "
+                                 "cached blocks")
+            cache.add_sequence(item.seq_id, reserved[shared:] if reserved is not None else None)
+            start = cache.share_prefix(item.seq_id, feed, reserved[:shared]) if shared else 0
+            out = self.target.feed_batch([FeedRequest(item.seq_id, feed[start:], start)])[0]
+            cache.publish(item.seq_id, feed)
             rules = item.rules or SequenceRules.of(len(item.tokens), item.options, self.target.eos_token_ids)
             seq = _TargetSequence(list(item.tokens), item.options, item.needs,
                                   np.random.default_rng(item.options.seed), rules, self._grammar(item, rules))

@@ -15,6 +15,12 @@ A batched call pads every sequence to the one feeding most, and every fed row co
 draft's LM head: one sequence catching up a long lag in a call with many aligning two
 tokens would make all of them pay for its lag. So the alignment runs in groups of
 similar lengths (``align_groups``).
+
+The draft's pool caches prefixes as the target's does (``PagedKVCache.share_prefix``,
+its own lookups: no ledger): a first contact starts on the cached blocks of the longest
+prefix it has seen before and feeds only the rest, and each alignment names the full
+blocks of the committed context, so a shared system prompt costs the draft one prefill
+too (docs/design-decisions.md measures it).
 """
 from __future__ import annotations
 
@@ -97,10 +103,14 @@ class DraftModelProposer:
         (``align_groups``); each one's next-token logits, in ``which`` order. A group the
         draft's pool cannot hold is left out: its sequences draft nothing this round."""
         requests = {}
+        cache = self.draft.cache
         for i in which:
             owner, prefix = owners[i], prefixes[i]
             keep = min(common_prefix_len(owner.kv_tokens, prefix), len(prefix) - 1)
             owner.rewind(prefix[:keep])
+            if not owner.kv_tokens:  # a first contact (or a restart): start on what the pool caches
+                keep = cache.share_prefix(owner.seq_id, prefix)
+                owner.kv_tokens = prefix[:keep]
             requests[i] = FeedRequest(owner.seq_id, prefix[keep:], keep)
         logits: dict[int, np.ndarray] = {}
         for group in align_groups({i: len(r.tokens) for i, r in requests.items()}):
@@ -112,6 +122,8 @@ class DraftModelProposer:
                 continue
             for i, output in zip(group, outputs):
                 owners[i].kv_tokens.extend(requests[i].tokens)
+                # Committed tokens but the last, which the next alignment may feed again for its logits.
+                cache.publish(owners[i].seq_id, prefixes[i][:-1])
                 logits[i] = output.logits[-1]
         return {i: logits[i] for i in which if i in logits}
 
@@ -127,9 +139,16 @@ class DraftModelProposer:
 
     def rewind(self, target_tokens: Sequence[int]) -> None:
         keep = common_prefix_len(self.kv_tokens, target_tokens)
-        if keep < len(self.kv_tokens):
+        if keep < self.draft.cache.frozen_tokens(self.seq_id):
+            self._restart()  # below its named blocks, which no rewind may touch: start over on the cache
+        elif keep < len(self.kv_tokens):
             self.draft.cache.rewind(self.seq_id, keep)
             del self.kv_tokens[keep:]
+
+    def _restart(self) -> None:
+        self.draft.cache.free(self.seq_id)
+        self.draft.cache.add_sequence(self.seq_id)
+        self.kv_tokens = []
 
     def close(self) -> None:
         if self.draft.cache.has_sequence(self.seq_id):
