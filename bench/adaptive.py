@@ -1,7 +1,8 @@
 """Adaptive speculation vs fixed k = 4 vs target-only, at 1, 4, 16 and 32 concurrent
 streams, in-process, in one run.
 
-    .venv/bin/python bench/adaptive.py [--concurrency 1 4 16 32] [--modes ...] [--new-tokens 48]
+    .venv/bin/python bench/adaptive.py [--models DIR] [--prompts code|chat] [--concurrency 1 4 16 32]
+                                       [--modes ...] [--new-tokens 48]
                                        [--requests 8] [--repeats 7] [--threads 2] [--record DIR]
 
 Each cell is ``concurrency`` threads calling ``Engine.generate`` at once, for a few
@@ -83,6 +84,9 @@ def run_wave(engine: Engine, prompts: list[str], indices: list[int], options: Ge
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=str(ROOT / "models/fixture"))
+    parser.add_argument("--prompts", choices=("code", "chat"), default="code", help=(
+        "code: the fixture's held-out stdlib prompts; chat: the default model's held-out chat prompts "
+        "(modelbuild.distill.prompts), through the bundle's chat template"))
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--modes", nargs="+", default=MODES)
     parser.add_argument("--new-tokens", type=int, default=48)
@@ -100,8 +104,13 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    prompts = [p["prompt"] for p in json.loads((ROOT / "tests/data/heldout_prompts.json").read_text())]
     engine = Engine(args.models, EngineConfig(device=args.device, intra_op_threads=args.threads))
+    if args.prompts == "chat":
+        from bench.heads import heldout_chats
+
+        prompts = [engine.chat_template.render(messages) for messages in heldout_chats(16)]
+    else:
+        prompts = [p["prompt"] for p in json.loads((ROOT / "tests/data/heldout_prompts.json").read_text())]
     base = GenerationOptions(max_new_tokens=args.new_tokens, ignore_eos=True, num_speculative_tokens=args.k)
     columns = {"none": base.model_copy(update={"speculative_mode": "none"})}
     for mode in args.modes:

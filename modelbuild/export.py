@@ -18,7 +18,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .llama import LlamaForCausalLM
-from .weights_file import IR_VERSION, WEIGHTS_FILE, aux_output_name, safetensors_offsets
+from .int8_storage import BLOCK, SCALE_SUFFIX, dequant_nodes, dequantize_blocks, quantize_blocks, stored_as_int8
+from .weights_file import IR_VERSION, WEIGHTS_FILE, aux_output_name, safetensors_dtypes, safetensors_offsets
 
 __all__ = ["WEIGHTS_FILE", "aux_output_name", "export_onnx", "export_graph", "save_checkpoint"]
 
@@ -44,10 +45,20 @@ class _ExportWrapper(nn.Module):
         return tuple(outputs)
 
 
-def save_checkpoint(model: nn.Module, out_dir: Path, hf_config: dict) -> dict[str, torch.Tensor]:
-    """Write ``model.safetensors`` (float16) + ``config.json``; return the saved tensors."""
+def save_checkpoint(model: nn.Module, out_dir: Path, hf_config: dict, int8_matrices: bool = False
+                    ) -> dict[str, torch.Tensor]:
+    """Write ``model.safetensors`` (float16) + ``config.json``; return the saved tensors.
+    ``int8_matrices``: its weight matrices as int8 blocks (``int8_storage``), and the
+    model's own weights set to what they dequantize to, so it computes what the graph does."""
     tensors = {name: t.detach().to(torch.float16).contiguous() for name, t in model.state_dict().items()
                if name != "inv_freq"}
+    if int8_matrices:
+        state = model.state_dict()
+        for name in stored_as_int8({name: tuple(t.shape) for name, t in tensors.items()}):
+            q, scale = quantize_blocks(state[name].detach().float().numpy())
+            with torch.no_grad():
+                state[name].copy_(torch.from_numpy(dequantize_blocks(q, scale)))
+            tensors[name], tensors[name + SCALE_SUFFIX] = torch.from_numpy(q), torch.from_numpy(scale)
     save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     return tensors
@@ -99,24 +110,37 @@ def export_graph(wrapper: nn.Module, example: tuple, input_names: list[str], out
 def _externalise_weights(onnx_path: Path, weights_path: Path, prefix: str) -> None:
     graph_model = onnx.load(str(onnx_path))
     graph = graph_model.graph
-    offsets = safetensors_offsets(weights_path)
+    offsets, dtypes = safetensors_offsets(weights_path), safetensors_dtypes(weights_path)
+
+    def external(tensor_name: str, stored: str, data_type: int, dims: list[int], width: int) -> TensorProto:
+        offset, length = offsets[stored]
+        if length != int(np.prod(dims)) * width:
+            raise RuntimeError(f"{stored}: checkpoint holds {length} bytes, graph needs {int(np.prod(dims)) * width}")
+        tensor = TensorProto(name=tensor_name, data_type=data_type, dims=dims)
+        tensor.data_location = TensorProto.EXTERNAL
+        for key, value in (("location", weights_path.name), ("offset", str(offset)), ("length", str(length))):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, value
+        return tensor
+
     kept, casts, renamed = [], [], {}
     for init in graph.initializer:
         name = init.name[len(prefix):] if init.name.startswith(prefix) else init.name
         if name not in offsets or init.data_type != TensorProto.FLOAT:
             kept.append(init)
             continue
-        offset, length = offsets[name]
-        expected = int(np.prod(init.dims)) * 2
-        if length != expected:
-            raise RuntimeError(f"{name}: checkpoint holds {length} bytes, graph needs {expected}")
-        half = TensorProto(name=name + ".fp16", data_type=TensorProto.FLOAT16, dims=list(init.dims))
-        half.data_location = TensorProto.EXTERNAL
-        for key, value in (("location", weights_path.name), ("offset", str(offset)), ("length", str(length))):
-            entry = half.external_data.add()
-            entry.key, entry.value = key, value
-        kept.append(half)
-        casts.append(helper.make_node("Cast", [half.name], [init.name], to=TensorProto.FLOAT, name=f"cast/{name}"))
+        dims = list(init.dims)
+        if dtypes[name] == "I8":  # int8 blocks (int8_storage): dequantized by foldable nodes
+            n, k = dims
+            kept += [external(name, name, TensorProto.INT8, dims, 1),
+                     external(name + SCALE_SUFFIX, name + SCALE_SUFFIX, TensorProto.FLOAT16, [n, k // BLOCK], 2)]
+            nodes, shapes = dequant_nodes(name, n, k, init.name)
+            casts += nodes
+            kept += shapes
+        else:
+            kept.append(external(name + ".fp16", name, TensorProto.FLOAT16, dims, 2))
+            casts.append(helper.make_node("Cast", [name + ".fp16"], [init.name], to=TensorProto.FLOAT,
+                                          name=f"cast/{name}"))
         renamed[init.name] = name
     # The tracer merges byte-identical initializers (e.g. untrained all-ones norms), so a
     # checkpoint tensor may have no initializer of its own; the export check after

@@ -43,6 +43,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from engine.model.heads import INT8_FILE
 
+from .int8_storage import DEQUANT_PREFIX
 from .weights_file import IR_VERSION
 
 MS = "com.microsoft"
@@ -56,10 +57,13 @@ _MAX, _MIN, _EPS, _ZERO = "int8.max", "int8.min", "int8.eps", "int8.zero_point"
 def _weight_shape(name: str, producers: dict[str, onnx.NodeProto],
                   initializers: dict[str, onnx.TensorProto]) -> tuple[int, int] | None:
     """``(K, N)`` of a ``MatMul``'s right side computed from a 2-D initializer through
-    ``Cast``/``Transpose`` only, or None (an activation, or a shape this cannot quantize)."""
+    ``Cast``/``Transpose`` (and a stored int8 weight's dequantization) only, or None (an activation, or a shape this cannot quantize)."""
     transposes = 0
     while name not in initializers:
         node = producers.get(name)
+        if node is not None and node.name.startswith(DEQUANT_PREFIX):  # a weight stored as int8 blocks
+            name = node.input[0]
+            continue
         if node is None or node.op_type not in _WEIGHT_PATH_OPS:
             return None
         if node.op_type == "Transpose":

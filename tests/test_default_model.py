@@ -1,11 +1,12 @@
 """The default model, SmolLM2-135M-Instruct converted from its GGUF at install, as a user
-meets it: ``Engine()`` with no argument, the chat call, every mode it serves
-token-identical to target-only, in-process and through the server, and the modes it
-has no head for refused clearly. (Its agreement with transformers' own load of the GGUF
-is in ``tests/convert/test_default_model.py``, which needs torch.) Prefix caching's
-acceptance is here too: behind a ~750-token shared system prompt, later requests reach
-their first token in at most half the first one's time, and every mode's tokens are the
-same with a cold cache, a warm one and none.)"""
+meets it: ``Engine()`` with no argument, the chat call, every mode token-identical to
+target-only with the heads trained for it (``modelbuild.distill``), in-process and
+through the server, and a converted bundle without heads refusing their modes clearly.
+(Its agreement with transformers' own load of the GGUF is in
+``tests/convert/test_default_model.py``, which needs torch.) Prefix caching's acceptance
+is here too: behind a ~750-token shared system prompt, later requests reach their first
+token in at most half the first one's time, and every mode's tokens are the same with a
+cold cache, a warm one and none."""
 from __future__ import annotations
 
 import json
@@ -21,6 +22,7 @@ import pytest
 from engine import Engine, GenerationOptions, InvalidRequestError
 from engine.model.bundle import Bundle
 from engine.model.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
+from engine.speculative.proposers.registry import PROPOSER_KINDS
 from modelbuild.default_model import SMOLLM2
 from modelbuild.from_gguf.checkpoint import GgufCheckpoint
 from modelbuild.fused_graph import _Graph
@@ -53,20 +55,28 @@ def test_engine_with_no_argument_answers_a_chat_question_correctly(default_engin
     assert default_engine.bundle.directory.resolve() == DEFAULT_MODEL_DIR.resolve()
 
 
-def test_every_mode_it_serves_is_token_identical_to_target_only(default_engine, chats):
-    assert default_engine.available_modes == ["none", "prompt_lookup"]
+def test_it_ships_a_head_of_every_kind_and_each_is_token_identical_to_target_only(default_engine, chats):
+    assert default_engine.available_modes == ["none", *PROPOSER_KINDS]
     base = GenerationOptions(max_new_tokens=NEW_TOKENS, temperature=0)
-    expected = [default_engine.chat(c, base.model_copy(update={"speculative_mode": "none"})).token_ids for c in chats]
+    expected = [default_engine.chat(c, base.model_copy(update={"speculative_mode": "none"})).token_ids
+                for c in chats[:6]]
     for mode in default_engine.available_modes[1:]:
         for adaptive in (False, True):
             options = base.model_copy(update={"speculative_mode": mode, "adaptive_speculation": adaptive})
-            assert [default_engine.chat(c, options).token_ids for c in chats] == expected, (mode, adaptive)
+            results = [default_engine.chat(c, options) for c in chats[:6]]
+            assert [r.token_ids for r in results] == expected, (mode, adaptive)
+            if not adaptive:  # a fixed k drafts every round: a trained head's drafts are accepted at times
+                assert sum(r.speculative.accepted_tokens for r in results) > 0, mode
 
 
-def test_a_mode_without_a_head_for_this_model_is_refused_by_name(default_engine):
-    for mode in ("draft_model", "mtp", "eagle3", "shared_kv"):
-        with pytest.raises(InvalidRequestError, match=mode):
-            default_engine.chat(CAPITAL, GenerationOptions(max_new_tokens=4, speculative_mode=mode))
+def test_the_heads_record_how_they_were_trained():
+    manifest = Bundle.load(DEFAULT_MODEL_DIR).manifest
+    for kind, head in manifest.heads.items():
+        assert head.training is not None and head.training.seed is not None, kind
+        assert "sha256" in head.training.objective and head.training.seconds > 0, kind
+        assert head.d2t is not None and head.draft_vocab_size == 8192, kind
+    draft = manifest.models["draft"]
+    assert draft.training is not None and draft.training.seconds > 0
 
 
 def test_the_q4_1_blocks_are_carried_over_exactly():
@@ -119,7 +129,7 @@ def test_served_chat_names_the_model_and_matches_the_engine_in_every_mode(served
     options = GenerationOptions(max_new_tokens=NEW_TOKENS, temperature=0)
     for messages in chats[:4]:
         expected = default_engine.chat(messages, options).token_ids
-        for mode in ("none", "prompt_lookup"):
+        for mode in ("none", *PROPOSER_KINDS):
             response = client.chat.completions.create(
                 model=DEFAULT_MODEL_NAME, messages=messages, max_tokens=NEW_TOKENS, temperature=0,
                 extra_body={"speculative_mode": mode, "return_token_ids": True})
@@ -172,28 +182,21 @@ def test_every_mode_gives_the_same_tokens_cold_warm_and_uncached(served, chats, 
     conversations = [[system, *chats[i]] for i in (8, 9)]
     options = GenerationOptions(max_new_tokens=NEW_TOKENS, temperature=0)
     expected = [uncached_default.chat(c, options).token_ids for c in conversations]
-    for mode in ("none", "prompt_lookup"):
+    for mode in ("none", *PROPOSER_KINDS):
         assert httpx.post(f"{served}/reset_prefix_cache", timeout=30).json()["status"] == "ok"
         cold, warm = (_first_token(client, c, mode) for c in conversations)
         assert cold[2] == 0 and warm[2] >= 704, mode
         assert [cold[1], warm[1]] == expected, mode
 
 
-def test_served_requests_for_a_mode_without_a_head_get_a_400_naming_it(served):
-    response = httpx.post(f"{served}/v1/chat/completions", timeout=30,
-                          json={"messages": CAPITAL, "max_tokens": 4, "speculative_mode": "eagle3"})
-    assert response.status_code == 400
-    error = response.json()["error"]
-    assert "eagle3" in error["message"] and error["param"] == "speculative_mode"
-
-
 def test_the_convert_command_writes_a_bundle_from_a_gguf_that_the_engine_serves(tmp_path, default_engine):
     """``python -m modelbuild.convert --gguf`` (no torch) on the default model's file, one
-    format throughout: the engine serves the bundle it writes, with target-only's tokens."""
+    format throughout: the engine serves the bundle it writes, with target-only's tokens,
+    and refuses by name the modes it has no head for."""
     import subprocess
     import sys
 
-    from engine import Engine, EngineConfig, SpeculativeConfig
+    from engine import Engine, EngineConfig
     from modelbuild.default_model import cached_gguf
 
     out = tmp_path / "bundle"
@@ -202,6 +205,9 @@ def test_the_convert_command_writes_a_bundle_from_a_gguf_that_the_engine_serves(
     assert run.returncode == 0, run.stderr[-2000:]
     assert not (out / "target/model.inplace.step.onnx").exists()
     options = GenerationOptions(max_new_tokens=12, temperature=0)
-    config = EngineConfig(device="cpu", intra_op_threads=2, speculative=SpeculativeConfig(load=()))
-    with Engine(out, config) as engine:
+    with Engine(out, EngineConfig(device="cpu", intra_op_threads=2)) as engine:
         assert engine.chat(CAPITAL, options).token_ids == default_engine.chat(CAPITAL, options).token_ids
+        assert engine.available_modes == ["none", "prompt_lookup"]
+        for mode in ("draft_model", "mtp", "eagle3", "shared_kv"):
+            with pytest.raises(InvalidRequestError, match=mode):
+                engine.chat(CAPITAL, GenerationOptions(max_new_tokens=4, speculative_mode=mode))

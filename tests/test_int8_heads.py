@@ -133,3 +133,67 @@ def test_a_damaged_twin_is_logged_and_the_float_graph_runs(bundle_engine, tmp_pa
         head = load_head("shared_kv", head_dir, vocab, hidden, "cpu", 1)
     assert head.graph.name == "model.onnx"
     assert any(INT8_FILE in r.getMessage() and "not used" in r.getMessage() for r in caplog.records)
+
+
+def _stored_int8_graph(path, q: np.ndarray, scale: np.ndarray) -> None:
+    """h = x @ Transpose(w), w dequantized from int8 blocks by ``int8_storage``'s nodes."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from modelbuild.int8_storage import SCALE_SUFFIX, dequant_nodes
+
+    n_out, n_in = q.shape
+    dequant, shapes = dequant_nodes("w", n_out, n_in, "w32")
+    nodes = [*dequant, helper.make_node("Transpose", ["w32"], ["wt"], perm=[1, 0]),
+             helper.make_node("MatMul", ["x", "wt"], ["h"])]
+    graph = helper.make_graph(nodes, "stored", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", n_in])],
+                              [helper.make_tensor_value_info("h", TensorProto.FLOAT, ["rows", n_out])],
+                              [numpy_helper.from_array(q, "w"), numpy_helper.from_array(scale, "w" + SCALE_SUFFIX),
+                               *shapes])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    onnx.save(model, str(path))
+
+
+def test_a_weight_stored_as_int8_blocks_is_what_the_twin_computes_with_and_the_float_graph_dequantizes():
+    """A head served as int8 on CPU may store its matrices as the twin's own int8 blocks
+    (half the bytes of float16): the float graph computes with q * s, and the twin built
+    over it finds the very same q, so its output is bit for bit the twin of a float q * s."""
+    import tempfile
+    from pathlib import Path
+
+    from modelbuild.int8_storage import dequantize_blocks, quantize_blocks
+
+    rng = np.random.default_rng(1)
+    weight = (rng.standard_normal((64, 96)) * np.geomspace(1e-3, 10.0, 64)[:, None]).astype(np.float32)
+    q, scale = quantize_blocks(weight)
+    dequantized = dequantize_blocks(q, scale)
+    assert np.array_equal(quantize_blocks(dequantized)[0], q)  # requantizing finds the same int8
+    assert np.abs(dequantized - weight).max() <= np.abs(weight).max(axis=1, keepdims=True).max() / 127
+    x = rng.standard_normal((3, 96)).astype(np.float32)
+    with tempfile.TemporaryDirectory() as scratch:
+        stored, plain = Path(scratch) / "stored.onnx", Path(scratch) / "plain.onnx"
+        _stored_int8_graph(stored, q, scale)
+        _tiny_graph(plain, dequantized)  # the same numbers as a float initializer behind a Cast
+        for graph in (stored, plain):
+            assert build_int8_graph(graph, graph.with_suffix(".int8.onnx")) == 1
+        run = {path.name: ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(["h"], {"x": x})[0]
+               for path in (stored, stored.with_suffix(".int8.onnx"), plain.with_suffix(".int8.onnx"))}
+    np.testing.assert_allclose(run["stored.onnx"], x @ dequantized.T, rtol=1e-5, atol=1e-5)
+    assert np.array_equal(run["stored.int8.onnx"], run["plain.int8.onnx"])
+
+
+def test_the_default_models_int8_served_heads_store_their_matrices_as_int8_blocks():
+    from engine.model.default_model import DEFAULT_MODEL_DIR
+    from modelbuild.int8_storage import SCALE_SUFFIX
+    from modelbuild.weights_file import safetensors_dtypes
+
+    for kind in INT8_HEADS:
+        head_dir = DEFAULT_MODEL_DIR / "heads" / kind
+        dtypes = safetensors_dtypes(head_dir / "model.safetensors")
+        matrices = [name for name, dtype in dtypes.items() if dtype == "I8"]
+        assert matrices and all(dtypes[name + SCALE_SUFFIX] == "F16" for name in matrices), kind
+        twin = onnx.load(str(head_dir / INT8_FILE), load_external_data=False)
+        float_graph = onnx.load(str(head_dir / "model.onnx"), load_external_data=False)
+        weight_products = sum(n.op_type == "MatMul" for n in float_graph.graph.node) - sum(
+            n.op_type == "MatMul" for n in twin.graph.node)
+        assert weight_products == sum(n.op_type == "MatMulNBits" for n in twin.graph.node) >= len(matrices), kind

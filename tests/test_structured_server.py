@@ -15,10 +15,11 @@ import openai
 import pytest
 
 from engine.model.default_model import DEFAULT_MODEL_DIR
+from engine.speculative.proposers.registry import PROPOSER_KINDS
 
 from .conftest import running_server, stream_chat
 
-MODES = ("none", "prompt_lookup")  # what SmolLM2 serves: it ships no draft model or heads
+MODES = ("none", *PROPOSER_KINDS)  # every mode: SmolLM2 ships a draft model and a head of each kind
 BOOK = {"type": "object", "properties": {"title": {"type": "string"}, "author": {"type": "string"},
                                          "year": {"type": "integer"}},
         "required": ["title", "author", "year"], "additionalProperties": False}

@@ -59,7 +59,7 @@ def export_head_into(kind: str, trainer, bundle: Path, state: dict, args: argpar
             param.copy_(param.half().float())
     config = _config(shape, kind, {"target_hidden_inputs": wiring, "draft_vocab_size": len(draft_ids),
                                    "d2t": "d2t.npy", **extra})
-    save_checkpoint(head, directory, config)
+    save_checkpoint(head, directory, config, int8_matrices=kind in INT8_HEADS)  # served as int8 on CPU anyway
     export_head(kind, head, shape, directory)
     np.save(directory / "d2t.npy", (draft_ids - np.arange(len(draft_ids))).astype(np.int64))
     difference = _check_export(kind, head, directory / "model.onnx", shape.hidden_size, shape.num_kv_heads,

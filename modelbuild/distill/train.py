@@ -33,6 +33,7 @@ from torch.nn import functional as F
 import dataclasses
 
 from ..heads import Eagle3Head, MtpHead, SharedKvAssistant
+from ..int8_graph import INT8_HEADS
 from ..llama import LlamaShape
 from .features import ChainBatch, Features
 from .generate import DEFAULT_OUT
@@ -275,6 +276,8 @@ def main(argv: list[str] | None = None) -> None:
         from .export import export_head_into
 
         export_head_into(args.kind, trainer, args.export, state, args)
+        if args.kind in INT8_HEADS:  # its weights now as stored (int8 blocks): what the float graph computes
+            print(json.dumps({"kind": args.kind, "as_stored": evaluate(trainer, t2d, heldout, EVAL_STEPS)}), flush=True)
 
 
 if __name__ == "__main__":
