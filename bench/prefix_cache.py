@@ -16,7 +16,7 @@ against round-robin with two target replicas.
    against those whose tail is a whole block; and what caching costs a cold prefill
    (naming its blocks writes their KV into the pools), as the cold TTFT of the whole
    prompt with prefix caching on (after a reset) against an engine with it off.
-   On the test fixture (``--fixture``: the default model has no draft model), the draft
+   On the test fixture (``--fixture``: its draft model is the one its tests exercise), the draft
    model's own prefix cache: the first drafting round of a ``draft_model`` request (from
    its first token to its second: the draft's first contact feeds it the whole context
    unless its pool caches the prefix), cold against warm.

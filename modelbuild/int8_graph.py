@@ -57,7 +57,8 @@ _MAX, _MIN, _EPS, _ZERO = "int8.max", "int8.min", "int8.eps", "int8.zero_point"
 def _weight_shape(name: str, producers: dict[str, onnx.NodeProto],
                   initializers: dict[str, onnx.TensorProto]) -> tuple[int, int] | None:
     """``(K, N)`` of a ``MatMul``'s right side computed from a 2-D initializer through
-    ``Cast``/``Transpose`` (and a stored int8 weight's dequantization) only, or None (an activation, or a shape this cannot quantize)."""
+    ``Cast``/``Transpose`` (and a stored int8 weight's dequantization) only, or None (an
+    activation, or a shape this cannot quantize)."""
     transposes = 0
     while name not in initializers:
         node = producers.get(name)
