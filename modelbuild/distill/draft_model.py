@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +31,7 @@ from ..export import save_checkpoint
 from ..llama import DecoderLayer, LlamaShape, RMSNorm, causal_bias, inverse_frequencies, rotary
 from .features import Features
 from .generate import DEFAULT_OUT
-from .schedule import set_learning_rate
+from .run import TrainingRun
 from .train import DRAFT_VOCAB, draft_vocabulary, target_shape
 
 
@@ -151,49 +150,28 @@ def main(argv: list[str] | None = None) -> None:
     model = DraftLM(shape, embed, torch.from_numpy(draft_ids))
     records, by_job = sequences(args.data, "train"), {s["job"]: s for s in train.sequences}
     records = [r for r in records if r["job"] in by_job]
-    ckpt_path = args.data / "ckpt" / "draft_model.pt"
-    saved = torch.load(ckpt_path, weights_only=False) if ckpt_path.is_file() else None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    state = {"update": 0, "seconds": 0.0, "log": []}
-    if saved is not None:
-        model.load_state_dict(saved["model"], strict=False)
-        optimizer.load_state_dict(saved["optimizer"])
-        state = saved["state"]
-        print(f"resumed at update {state['update']} ({state['seconds'] / 60:.1f} min trained)", flush=True)
-    rng = np.random.default_rng(args.seed + state["update"])
-    budget = args.minutes * 60  # of training time in all, across resumes: the schedule spans it
+    run = TrainingRun(model, "model", args.data / "ckpt" / "draft_model.pt", args.lr, args.minutes, args.updates,
+                      args.seed, args.save_every, strict=False)  # the frozen shared embeddings load as they are
+    state = run.state
 
-    def save() -> None:
-        ckpt_path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "state": state}, ckpt_path.with_suffix(".tmp"))
-        ckpt_path.with_suffix(".tmp").replace(ckpt_path)
-
-    model.train()
-    while state["update"] < args.updates and state["seconds"] < budget:
-        t0 = time.perf_counter()
-        set_learning_rate(optimizer, args.lr, state["seconds"], budget)
-        chosen = [records[i] for i in rng.choice(len(records), args.batch, replace=False)]
+    def batch_loss():
+        chosen = [records[i] for i in run.rng.choice(len(records), args.batch, replace=False)]
         ids, mask, targets, weight = batch_of(chosen, train, by_job, t2d)
         ce = -(targets * F.log_softmax(model(ids, mask), -1)).sum(-1)
-        loss = (ce * weight).sum() / weight.sum().clamp_min(1)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        state["update"] += 1
-        state["tokens"] = state.get("tokens", 0) + int(weight.sum())
-        state["seconds"] += time.perf_counter() - t0
+        state["tokens"] = state.get("tokens", 0) + int(weight.sum())  # counted before a checkpoint is due
+        return (ce * weight).sum() / weight.sum().clamp_min(1), None
+
+    model.train()
+    while run.running():
+        loss, _ = run.update(batch_loss)
         if state["update"] % args.log_every == 0:
             state["log"].append({"update": state["update"], "loss": round(float(loss.detach()), 4)})
             print(f"update {state['update']}: loss {float(loss.detach()):.3f} "
                   f"({state['seconds'] / state['update']:.2f} s/update)", flush=True)
-        if state["update"] % args.save_every == 0:
-            save()
     model.eval()
     held = [r for r in sequences(args.data, "heldout") if r["job"] in {s["job"] for s in heldout.sequences}]
     state["heldout"] = evaluate(model, held, heldout, t2d)
-    save()
+    run.save()
     print(json.dumps({"kind": "draft_model", "update": state["update"], "minutes": round(state["seconds"] / 60, 1),
                       **state["heldout"]}), flush=True)
     if args.export is not None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +36,7 @@ from ..int8_graph import INT8_HEADS
 from ..llama import LlamaShape
 from .features import ChainBatch, Features
 from .generate import DEFAULT_OUT
-from .schedule import set_learning_rate
+from .run import TrainingRun
 
 DRAFT_VOCAB = 8192
 EVAL_STEPS = 6  # held-out agreement is measured over the longest chain served (k <= 6), however trained
@@ -230,46 +229,25 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     trainer = TRAINERS[args.kind](shape, embed, draft_ids)
     head = trainer.head
-    ckpt_path = args.checkpoint or args.data / "ckpt" / f"{args.kind}.pt"
-    saved = torch.load(ckpt_path, weights_only=False) if ckpt_path.is_file() else None
-    optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    state = {"update": 0, "seconds": 0.0, "log": []}
-    if saved is not None:
-        head.load_state_dict(saved["head"])
-        optimizer.load_state_dict(saved["optimizer"])
-        state = saved["state"]
-        print(f"resumed at update {state['update']} ({state['seconds'] / 60:.1f} min trained)", flush=True)
-    rng = np.random.default_rng(args.seed + state["update"])
-    budget = args.minutes * 60  # of training time in all, across resumes: the schedule spans it
+    run = TrainingRun(head, "head", args.checkpoint or args.data / "ckpt" / f"{args.kind}.pt", args.lr, args.minutes,
+                      args.updates, args.seed, args.save_every)
+    state = run.state
 
-    def save() -> None:
-        ckpt_path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(),
-                    "state": state}, ckpt_path.with_suffix(".tmp"))
-        ckpt_path.with_suffix(".tmp").replace(ckpt_path)
+    def batch_loss():
+        anchors = np.sort(run.rng.choice(train.anchors, args.batch, replace=False))
+        return loss_and_accuracy(trainer.unroll(chains_of(trainer, train, anchors, args.steps, t2d)))
 
     head.train()
-    while state["update"] < args.updates and state["seconds"] < budget:
-        t0 = time.perf_counter()
-        set_learning_rate(optimizer, args.lr, state["seconds"], budget)
-        chains = chains_of(trainer, train, np.sort(rng.choice(train.anchors, args.batch, replace=False)), args.steps, t2d)
-        loss, accuracy = loss_and_accuracy(trainer.unroll(chains))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        optimizer.step()
-        state["update"] += 1
-        state["seconds"] += time.perf_counter() - t0
+    while run.running():
+        loss, accuracy = run.update(batch_loss)
         if state["update"] % args.log_every == 0:
             state["log"].append({"update": state["update"], "loss": round(float(loss.detach()), 4), "top1": accuracy})
             print(f"update {state['update']}: loss {float(loss.detach()):.3f}, top-1 per step "
                   f"{' '.join(f'{a:.2f}' for a in accuracy)} ({state['seconds'] / state['update']:.2f} s/update)",
                   flush=True)
-        if state["update"] % args.save_every == 0:
-            save()
     head.eval()
     state["heldout"] = evaluate(trainer, t2d, heldout, EVAL_STEPS)
-    save()
+    run.save()
     print(json.dumps({"kind": args.kind, "update": state["update"], "minutes": round(state["seconds"] / 60, 1),
                       **state["heldout"]}), flush=True)
     if args.export is not None:
