@@ -14,6 +14,7 @@ import pytest
 
 from engine import Engine, GenerationOptions
 from engine.sched.cost_models import MIN_KIND_CALLS, DraftCostModel, VerifyCostModel
+from engine.sched.call_clock import SerialCallClock
 from engine.sched.cost_tables import DraftCostTable, VerifyCostTable
 from engine.sched.verify_split import verify_groups
 from engine.sched.acceptance import AcceptanceTracker
@@ -142,6 +143,25 @@ def test_a_mode_that_stopped_drafting_tries_again_now_and_then_less_often_in_a_l
         plans = [loaded.plan(requests("prompt_lookup", batch)).num_drafts for _ in range(wait)]
         assert all(sum(plan) == 0 for plan in plans[:-1]), batch
         assert sum(plans[-1]) == 1  # one draft for one sequence refreshes the estimate
+
+
+def test_exploring_from_no_drafts_backs_off_until_a_plan_drafts_again():
+    """Each exploration from 0 costs a proposer call and a verify where a plain step would
+    do; one that leaves the mode's plans at 0 doubles its wait, up to ``EXPLORE_BACKOFF``
+    times. A plan that drafts for the mode again starts the wait over."""
+    loaded = controller({"eagle3": 0.05})
+    wait = int(explore_wait(EXPLORE_BATCH))
+    call = requests("eagle3", EXPLORE_BATCH)
+    explored = [i for i in range(wait * (1 + 2 + 4 + 8 + 8)) if sum(loaded.plan(call).num_drafts)]
+    gaps = [b - a for a, b in zip([-1] + explored, explored)]
+    assert gaps == [wait, 2 * wait, 4 * wait, 8 * wait, 8 * wait], gaps
+    for n in range(400):  # the mode turns good: plans draft again, and the wait starts over
+        loaded.acceptance.record(("good", n), "eagle3", 4, 4)
+    assert min(loaded.plan(call).num_drafts) > 0
+    for n in range(1000):
+        loaded.acceptance.record(("bad", n), "eagle3", 4, 0)
+    plans = [sum(loaded.plan(call).num_drafts) for _ in range(wait)]
+    assert plans[:-1] == [0] * (wait - 1) and plans[-1] == 1
 
 
 def test_a_call_keeps_its_plan_for_a_few_rounds_and_plans_afresh_when_it_changes():
@@ -631,3 +651,34 @@ def test_a_head_drafts_from_the_last_of_several_plain_rounds(mode, adaptive_engi
     rate = lambda results: (sum(r.speculative.accepted_tokens for r in results)  # noqa: E731
                             / sum(r.speculative.proposed_tokens for r in results))
     assert rate(mixed) >= 0.8 * rate(usual), (rate(mixed), rate(usual))
+
+
+def test_a_call_queued_behind_another_lanes_call_counts_from_when_the_worker_started_on_it():
+    """A worker serves one call at a time: a call sent while another lane's call to the
+    same worker runs waits for it, and that wait is the other lane's work, not this plan's
+    cost. Calls to other workers do not count against it."""
+    now = [0.0]
+    clock = SerialCallClock(lambda: now[0])
+    first = clock.now()                 # lane 1 calls the target at 0 ...
+    now[0] = 0.001
+    second = clock.now()                # ... lane 2 at 1 ms, and queues behind it
+    now[0] = 0.3
+    assert clock.finished("target", first) == pytest.approx((0.3, 0.3))
+    now[0] = 0.32
+    assert clock.finished("target", second) == pytest.approx((0.319, 0.02))  # served from 300 ms on
+    other = clock.now()
+    now[0] = 0.33
+    assert clock.finished("proposer", other) == pytest.approx((0.01, 0.01))
+    alone = clock.now()
+    now[0] = 0.36
+    assert clock.finished("target", alone) == pytest.approx((0.03, 0.03))  # sent after the last one finished
+
+
+def test_the_verify_table_is_piecewise_between_its_measured_rows():
+    """At batch 1 a plain step runs the step twin and any wider call the verify graph: the
+    cost jumps from 1 row to 2, then grows slowly. The table follows its measured points."""
+    table = VerifyCostTable({(1, 1): 0.017, (1, 2): 0.026, (1, 5): 0.027, (4, 4): 0.04, (4, 20): 0.06})
+    assert table.predict(1, 2) == pytest.approx(0.026)
+    assert table.predict(1, 3) == pytest.approx(0.026 + 0.001 / 3)
+    assert table.predict(1, 7) == pytest.approx(0.027 + 2 * 0.001 / 3)   # beyond: the last segment's slope
+    assert table.predict(4, 8) == pytest.approx(0.04 + 0.02 / 4)         # two points: a line

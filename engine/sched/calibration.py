@@ -1,7 +1,7 @@
 """Calibration: the workers time their real models once, at start-up, into the cost
 tables adaptive speculation plans with (``sched.cost_tables``).
 
-``measure_verify_costs`` times the target on batches of dummy sequences (1 and 5 rows
+``measure_verify_costs`` times the target on batches of dummy sequences (1, 2 and 5 rows
 each, at a few batch sizes) -- which also warms onnxruntime up, so the first request
 does not pay for it; ``measure_draft_costs`` times a proposer kind on synthetic contexts.
 """
@@ -15,7 +15,12 @@ from engine.model.cached_decoder import CachedDecoder, FeedRequest
 from engine.sched.cost_tables import DraftCostTable, VerifyCostTable
 
 CALIBRATION_BATCHES = (1, 4, 16, 32)
-CALIBRATION_ROWS = (1, 5)       # rows per sequence: a plain step, and a verify of 4 drafts
+# Rows per sequence: a plain step, a verify of 1 draft and one of 4. A plain step of one
+# sequence runs the target's step twin where it has one (quantised weights, in place) and
+# any wider call the verify graph, so at batch 1 the cost jumps from 1 row to 2 and then
+# grows slowly: without the middle point the table would price 1-3 drafts as a fraction
+# of that jump (docs/adaptive-speculation.md).
+CALIBRATION_ROWS = (1, 2, 5)
 CALIBRATION_PAST = 64           # tokens already in each dummy sequence's KV
 
 

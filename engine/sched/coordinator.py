@@ -26,6 +26,7 @@ from typing import Hashable, Protocol, Sequence
 from engine.config import SchedulerConfig
 from engine.errors import EngineError
 from engine.kv.block_ledger import Grant
+from engine.sched.call_clock import SerialCallClock
 from engine.sched.cost_tables import DraftCostTable, VerifyCostTable
 from engine.sched.draft_length import (DraftCosts, DraftLengthPlanner, DraftRequest, ProposerCall, RoundTime,
                                       SequenceRetired, SequenceRound, TargetCall)
@@ -153,6 +154,7 @@ class RoundCoordinator:
         self._lanes = [_Lane() for _ in range(config.lanes if transport.concurrent else 1)]
         self.max_batch = config.max_batch_size  # per lane and tick; the rest wait their turn (FIFO)
         self.timings = TickTimings()
+        self._call_clock = SerialCallClock()  # what a call cost, less its wait behind other lanes' calls
         self.planner: DraftLengthPlanner | None = None  # made when a request first adapts
         self._costed_modes: set[str] = set()  # modes whose measured draft costs the planner has
 
@@ -188,20 +190,22 @@ class RoundCoordinator:
             raise
         for run, grant, query in zip(runs, grants, queries):
             self._granted(run, grant, query)
-            lane = self._lane_for(run.driver)
+            lane = self._lane_with_room()
             lane.runs.append(run)
             self._ensure_running(lane)
         return runs
 
-    def _lane_for(self, driver: SequenceDriver) -> _Lane:
-        """Lanes overlap one lane's proposer calls with another's target pass, so a
-        sequence whose rounds call a proposer joins the lane with the fewest sequences.
-        One whose rounds call none (target-only, or a proposer in the coordinator) has
-        nothing to overlap: it joins the first lane while that has room in a tick, so
-        these sequences share one target call per replica and tick -- one batched call
-        costs less than two half-size ones, which take turns on the same worker."""
-        if not driver.remote_proposer and len(self._lanes[0].runs) < self.max_batch:
-            return self._lanes[0]
+    def _lane_with_room(self) -> _Lane:
+        """The first lane with room in a tick (``max_batch_size``), else the one with the
+        fewest sequences. Lanes overlap one lane's calls with another's, but each worker
+        serves one call at a time, and a target pass at a small batch costs about what a
+        pass of one sequence does (memory-bound): two half-size calls that take turns on
+        the worker cost nearly twice one batched call, far more than the proposer hop the
+        overlap hides (docs/architecture.md measures both). So sequences share one
+        batched call per replica and tick, and lanes take what one tick cannot."""
+        for lane in self._lanes:
+            if len(lane.runs) < self.max_batch:
+                return lane
         return min(self._lanes, key=lambda la: len(la.runs))
 
     def _granted(self, run: "_Run", grant: Grant, query: Sequence[int]) -> None:
@@ -426,7 +430,7 @@ class RoundCoordinator:
 
     async def _propose_group(self, lane: _Lane, key, pairs, releases):
         mode, replica = key
-        started = time.perf_counter()
+        started = self._call_clock.now()
         try:
             served_by, results = await _within(
                 self.transport.propose(mode, replica, [item for _, item in pairs], releases), self.proposer_timeout_s)
@@ -437,13 +441,13 @@ class RoundCoordinator:
             lane.released_again.update(retry)
             lane.proposer_releases[key].extend(retry)
             raise
+        seconds, own = self._call_clock.finished(("proposer", mode, served_by), started)
         if pairs:
-            seconds = time.perf_counter() - started
             self.metrics.draft_call(mode, seconds)
             if self.planner is not None:
                 behind = sum(tokens_behind(item.since, len(item.new_tokens), run.driver.num_drafts)
                              for run, item in pairs)
-                self.planner.observe(ProposerCall(mode, [item.num_drafts for _, item in pairs], behind, seconds))
+                self.planner.observe(ProposerCall(mode, [item.num_drafts for _, item in pairs], behind, own))
         return served_by, [(run, result) for (run, _), result in zip(pairs, results)]
 
     def _take_proposals(self, lane: _Lane, mode: str, replica: str | None, outcome) -> None:
@@ -492,14 +496,14 @@ class RoundCoordinator:
         return calls
 
     async def _target_group(self, replica, prefills, verifies, releases, changed: bool = False):
-        started = time.perf_counter()
+        started = self._call_clock.now()
         results = await self.transport.target_step(replica, prefills, verifies, releases)
+        seconds, own = self._call_clock.finished(("target", replica), started)
         if prefills or verifies:
-            seconds = time.perf_counter() - started
             self.metrics.verify_call(seconds)
             if self.planner is not None:
                 self.planner.observe(TargetCall([len(item.drafts) + 1 for item in verifies],
-                                                [item.steps for item in verifies], len(prefills), changed, seconds))
+                                                [item.steps for item in verifies], len(prefills), changed, own))
         return results, releases
 
     def _take_target_results(self, lane: _Lane, replica: str, runs: list[_Run], outcome) -> None:

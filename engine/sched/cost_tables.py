@@ -15,24 +15,30 @@ class VerifyCostTable:
     seconds: dict[tuple[int, int], float]
 
     @cached_property
-    def _lines(self) -> dict[int, tuple[float, float, float]]:
-        """Per measured batch size: (rows at the first point, its seconds, seconds per row)."""
-        lines = {}
-        for batch in sorted({b for b, _ in self.seconds}):
-            points = sorted((r, s) for (b, r), s in self.seconds.items() if b == batch)
-            (r0, s0), (r1, s1) = points[0], points[-1]
-            lines[batch] = (r0, s0, (s1 - s0) / (r1 - r0) if r1 > r0 else 0.0)
-        return lines
+    def _points(self) -> dict[int, list[tuple[int, float]]]:
+        """Per measured batch size: its (total rows, seconds) points, by rows."""
+        points: dict[int, list[tuple[int, float]]] = {}
+        for (batch, rows), seconds in sorted(self.seconds.items()):
+            points.setdefault(batch, []).append((rows, seconds))
+        return points
 
     def _at(self, batch: int, rows: float) -> float:
-        """Linear in rows between the measured points of one measured batch size."""
-        r0, s0, slope = self._lines[batch]
-        return s0 + slope * (rows - r0)
+        """Piecewise linear in rows through the measured points of one measured batch size,
+        extended beyond them by the nearest segment. Not one line through the ends: at
+        batch 1 a single row runs the step twin and two rows already the verify graph, a
+        jump that a line from 1 to 5 rows would spread over every draft count
+        (``sched.calibration``)."""
+        points = self._points[batch]
+        if len(points) == 1:
+            return points[0][1]
+        i = next((i for i in range(1, len(points) - 1) if rows <= points[i][0]), len(points) - 1)
+        (r0, s0), (r1, s1) = points[i - 1], points[i]
+        return s0 + (s1 - s0) / (r1 - r0) * (rows - r0)
 
     def predict(self, batch: int, rows: int) -> float:
         """Interpolate between measured batch sizes at the same rows per sequence;
         beyond the largest, scale it linearly (a CPU pass at that size is compute-bound)."""
-        batches = list(self._lines)
+        batches = list(self._points)
         per_seq = rows / max(batch, 1)
         if batch <= batches[0]:
             return self._at(batches[0], per_seq * batches[0]) * batch / batches[0]

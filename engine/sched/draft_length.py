@@ -55,6 +55,12 @@ MIXED_PLAN_MARGIN = 0.05  # a plan between "no drafts" and "every maximum" must 
 # few dozen rounds: a wait of EXPLORE_EVERY would let one unlucky start (position 2
 # rejected a few times) keep a one-stream request at one draft to its end.
 EXPLORE_EVERY, EXPLORE_BATCH, EXPLORE_MIN = 32, 4, 8
+# A mode whose plans draft nothing pays for each exploration from 0 (a proposer call, a
+# verify pass where a plain step would do, a multi-step call broken up): on the default
+# model about 9 % of one-stream speed at a wait of 8 rounds (docs/adaptive-speculation.md).
+# So each exploration from 0 that leaves its mode's plans at 0 doubles that mode's wait,
+# up to EXPLORE_BACKOFF times; a plan that drafts for the mode again starts it over.
+EXPLORE_BACKOFF = 8
 MULTI_STEP_MARGIN = 0.1  # a multi-step call must be predicted this much faster than a drafting plan:
                          # it skips as many chances to re-plan as it has further rounds, and near the
                          # break-even a plan would otherwise swing to it on noise
@@ -184,6 +190,7 @@ class DraftLengthPlanner:
         self.plans = 0                  # plans computed (not held), for tests
         self._held: dict[tuple, _HeldPlan] = {}  # call (its sequences) -> its plan
         self._idle_plans: dict[str, int] = {}
+        self._backoff: dict[str, int] = {}  # mode -> its wait's multiple (``EXPLORE_BACKOFF``)
         self._follow_ups: dict[str, object] = {}  # mode -> the sequence it explored with last plan
 
     @classmethod
@@ -379,7 +386,9 @@ class DraftLengthPlanner:
         freezing at "not worth it". A draft model explored from 0 drafts one more round
         with the same sequence: the first call is a catch-up, not a measurement. A
         multi-step call counts as that many plans: the wait is in rounds (at one stream,
-        with several plain rounds a call, a wait in plans would outlast a request)."""
+        with several plain rounds a call, a wait in plans would outlast a request). Each
+        exploration from 0 doubles its mode's wait until a plan drafts for it again
+        (``EXPLORE_BACKOFF``)."""
         waiting: dict[str, list[int]] = {}  # mode -> its adaptive sequences that could draft
         for i, r in enumerate(call):
             if r.adaptive and r.max_num_drafts > 0:
@@ -394,13 +403,16 @@ class DraftLengthPlanner:
                 # loaded machine), would never be measured again.
                 num_drafts[again] = 1
                 continue
+            if any(num_drafts[i] for i in members):
+                self._backoff[mode] = 1  # the plan drafts for the mode: exploring from 0 has paid
             short = [i for i in members if num_drafts[i] < call[i].max_num_drafts]
             if len(short) < len(members) and (max(num_drafts[i] for i in members)
                                               == max(call[i].max_num_drafts for i in members)):
                 self._idle_plans[mode] = 0  # some sequence drafts the deepest allowed: every position is judged
                 continue
             self._idle_plans[mode] = self._idle_plans.get(mode, 0) + 1
-            if self._idle_plans[mode] < explore_wait(len(call)):
+            backoff = self._backoff.get(mode, 1)
+            if self._idle_plans[mode] < explore_wait(len(call)) * backoff:
                 if not any(num_drafts):
                     self._idle_plans[mode] += steps - 1  # the call's further plain rounds
                 continue
@@ -408,6 +420,7 @@ class DraftLengthPlanner:
             deepest = max(short, key=lambda i: num_drafts[i])
             if num_drafts[deepest] == 0:
                 self._follow_ups[mode] = call[deepest].seq_id
+                self._backoff[mode] = min(EXPLORE_BACKOFF, 2 * backoff)
             num_drafts[deepest] += 1
 
 
