@@ -94,7 +94,9 @@ def test_serve_run_serves_the_shipped_config(tmp_path, default_engine):
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGINT)  # as Ctrl-C: Serve and its Ray shut down
             try:
-                process.wait(timeout=90)
+                # Usually seconds; when Serve's graceful shutdown stalls (seen in CI), the kill
+                # below ends it: the test is about serving, and a long wait costs CI minutes.
+                process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 pass
         try:

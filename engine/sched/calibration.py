@@ -1,8 +1,8 @@
 """Calibration: the workers time their real models once, at start-up, into the cost
 tables adaptive speculation plans with (``sched.cost_tables``).
 
-``measure_verify_costs`` times the target on batches of dummy sequences (1, 2 and 5 rows
-each, at a few batch sizes) -- which also warms onnxruntime up, so the first request
+``measure_verify_costs`` times the target on batches of dummy sequences (1 and 5 rows
+each, at a few batch sizes, and 2 alone) -- which also warms onnxruntime up, so the first request
 does not pay for it; ``measure_draft_costs`` times a proposer kind on synthetic contexts.
 """
 from __future__ import annotations
@@ -15,12 +15,13 @@ from engine.model.cached_decoder import CachedDecoder, FeedRequest
 from engine.sched.cost_tables import DraftCostTable, VerifyCostTable
 
 CALIBRATION_BATCHES = (1, 4, 16, 32)
-# Rows per sequence: a plain step, a verify of 1 draft and one of 4. A plain step of one
-# sequence runs the target's step twin where it has one (quantised weights, in place) and
-# any wider call the verify graph, so at batch 1 the cost jumps from 1 row to 2 and then
-# grows slowly: without the middle point the table would price 1-3 drafts as a fraction
-# of that jump (docs/adaptive-speculation.md).
-CALIBRATION_ROWS = (1, 2, 5)
+CALIBRATION_ROWS = (1, 5)  # rows per sequence: a plain step, and a verify of 4 drafts
+# ... and at batch 1 a verify of 1 draft too. A lone sequence's plain step runs the target's
+# step twin where it has one (quantised weights, in place) and any wider call the verify
+# graph, so there the cost jumps from 1 row to 2 and then grows slowly: without the middle
+# point the table would price 1-3 drafts as a fraction of that jump
+# (docs/adaptive-speculation.md). Batched calls run one graph at every width.
+LONE_SEQUENCE_ROWS = (1, 2, 5)
 CALIBRATION_PAST = 64           # tokens already in each dummy sequence's KV
 
 
@@ -40,7 +41,7 @@ def measure_verify_costs(target: CachedDecoder, max_batch: int, repeats: int = 2
     try:
         target.feed_batch([FeedRequest(seq, rng.integers(0, vocab, CALIBRATION_PAST).tolist(), 0) for seq in ids])
         for batch in batches:
-            for rows in CALIBRATION_ROWS:
+            for rows in LONE_SEQUENCE_ROWS if batch == 1 else CALIBRATION_ROWS:
                 requests = [FeedRequest(seq, rng.integers(0, vocab, rows).tolist(), CALIBRATION_PAST)
                             for seq in ids[:batch]]
                 best = float("inf")
