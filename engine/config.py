@@ -48,8 +48,9 @@ class SchedulerConfig(BaseModel):
 
     max_batch_size: int = Field(32, ge=1, description="sequences one lane advances per tick; the rest wait (FIFO)")
     lanes: int = Field(2, ge=1, le=8, description=(
-        "independent tick loops whose proposer and target calls overlap; only a transport whose calls can "
-        "overlap (remote workers) uses more than one"))
+        "independent tick loops whose calls overlap; a sequence joins the first with room (max_batch_size), so a "
+        "second one takes what one tick cannot batch; only a transport whose calls can overlap (remote workers) "
+        "uses more than one"))
     admission_timeout_s: float = Field(30.0, gt=0, description=(
         "how long a request waits for KV blocks before it fails (HTTP 503 on the server)"))
     replica_routing: ReplicaRouting = Field("prefix_aware", description=(
