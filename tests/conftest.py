@@ -54,6 +54,25 @@ def default_engine() -> Engine:
         yield engine
 
 
+@pytest.fixture(scope="session")
+def default_model_server() -> str:
+    """The default model served as the README serves it (every head, mode "auto", adaptive
+    on), started once for every test that reads it; yields its base URL. Those tests run
+    last (``pytest_collection_modifyitems``), so this local Ray starts after every other
+    test's has shut down: one local Ray at a time."""
+    from engine.model.default_model import DEFAULT_MODEL_DIR
+
+    args = {"model_dir": str(DEFAULT_MODEL_DIR), "served_model_name": None,
+            "engine": {"speculative": {"default_mode": "auto", "adaptive": True}}}
+    with running_server(args) as url:
+        yield url
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # A stable sort: the order within each group stays pytest's own.
+    items.sort(key=lambda item: "default_model_server" in getattr(item, "fixturenames", ()))
+
+
 @pytest.fixture
 def make_engine():
     """``make_engine(path, config)``: an engine of the test's own, closed after the test."""

@@ -28,7 +28,7 @@ from modelbuild.from_gguf.checkpoint import GgufCheckpoint
 from modelbuild.fused_graph import _Graph
 from modelbuild.from_gguf.weights import ExternalData, GgufWeights
 
-from .conftest import CPU_CONFIG, running_server
+from .conftest import CPU_CONFIG
 
 ROOT = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 32
@@ -113,11 +113,8 @@ def test_the_q4_1_blocks_are_carried_over_exactly():
 
 
 @pytest.fixture(scope="module")
-def served():
-    args = {"model_dir": str(DEFAULT_MODEL_DIR), "served_model_name": None,
-            "engine": {"speculative": {"default_mode": "auto", "adaptive": True}}}
-    with running_server(args) as url:
-        yield url
+def served(default_model_server) -> str:
+    return default_model_server
 
 
 def test_served_chat_names_the_model_and_matches_the_engine_in_every_mode(served, default_engine, chats):

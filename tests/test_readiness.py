@@ -12,7 +12,7 @@ import pytest
 
 from .conftest import free_port
 
-GPU_TARGET = {"placement_group_bundles": [{"CPU": 0.01}, {"CPU": 0.5, "GPU": 1}]}
+GPU_TARGET = {"placement_group_bundles": [{"CPU": 0.01}, {"CPU": 0.5, "GPU": 1}], "graceful_shutdown_timeout_s": 1}
 
 
 @pytest.fixture(scope="module")

@@ -96,7 +96,7 @@ def test_serve_run_serves_the_shipped_config(tmp_path, default_engine):
             try:
                 # Usually seconds; when Serve's graceful shutdown stalls (seen in CI), the kill
                 # below ends it: the test is about serving, and a long wait costs CI minutes.
-                process.wait(timeout=30)
+                process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
         try:

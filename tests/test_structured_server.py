@@ -14,10 +14,9 @@ import jsonschema
 import openai
 import pytest
 
-from engine.model.default_model import DEFAULT_MODEL_DIR
 from engine.speculative.proposers.registry import PROPOSER_KINDS
 
-from .conftest import running_server, stream_chat
+from .conftest import stream_chat
 
 MODES = ("none", *PROPOSER_KINDS)  # every mode: SmolLM2 ships a draft model and a head of each kind
 BOOK = {"type": "object", "properties": {"title": {"type": "string"}, "author": {"type": "string"},
@@ -68,11 +67,8 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def client():
-    args = {"model_dir": str(DEFAULT_MODEL_DIR), "served_model_name": None,
-            "engine": {"speculative": {"default_mode": "auto", "adaptive": True}}}
-    with running_server(args) as url:
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+def client(default_model_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{default_model_server}/v1", api_key="none", max_retries=0, timeout=120)
 
 
 def ask(client, mode: str, case: dict) -> dict:
