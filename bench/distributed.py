@@ -1,21 +1,23 @@
 """The server (Ray Serve, real HTTP) against the in-process engine, interleaved, on the default model.
 
     .venv/bin/python bench/distributed.py [--model DIR] [--modes none prompt_lookup] [--streams 1 4 16 32]
-        [--new-tokens 64] [--repeats 2] [--configs fixed autoscaled] [--cpu-streams 16] [--record DIR]
+        [--new-tokens 64] [--repeats 2] [--min-requests 8] [--configs fixed autoscaled gpu-yaml]
+        [--cpu-streams 16] [--record DIR]
 
 For each server configuration (``--configs``: ``fixed`` is serve_config.yaml's shape,
 ``autoscaled`` every target and proposer deployment autoscaled between 1 and 2 replicas on
 their own load, ``token-events`` the fixed one streaming one SSE event per token instead
-of one per write, ``gpu-yaml`` cluster/serve_config.gpu.yaml's CPU variant, best with
-``--three-nodes``: a local Ray cluster of three nodes advertising the custom resources
-that config places by), each mode and each concurrency it runs that many streaming requests at
-once (held-out prompts: chat prompts in the model's template, or the fixture's code
-prompts; greedy, EOS ignored) in-process through ``Engine.generate`` from threads and
-through the OpenAI streaming API on 127.0.0.1, and prints aggregate tokens/s, time to
-first token and inter-token latency. The two take turns cell by cell, each cell
-``--repeats`` times in alternating order (in-process first, then served first), so the
-machine's drift falls on both; the spread of the per-repeat ratio says how noisy a cell
-was. Every served output is checked token-for-token against the in-process one.
+of one per write, ``gpu-yaml`` cluster/serve_config.gpu.yaml's CPU variant on a local Ray
+cluster of three nodes advertising the custom resources that config places by), each
+concurrency and each mode it runs that many streaming requests at once (held-out prompts:
+chat prompts in the model's template, or the fixture's code prompts; greedy, EOS ignored)
+in-process through ``Engine.generate`` from threads and through the OpenAI streaming API
+on 127.0.0.1, at least ``--min-requests`` requests a measurement, and prints aggregate
+tokens/s, time to first token and inter-token latency. In-process and served take turns
+cell by cell, and every mode at one concurrency runs inside one repeat (``--repeats``
+times, the orders reversed each repeat), so the machine's drift falls on both sides and on
+every mode: the spread of each per-repeat ratio says how noisy a cell was. Every served
+output is checked token-for-token against the in-process one.
 
 At one stream the bench breaks a served round down from the router's tick timer and the
 workers' own timers (outside the tick: HTTP/SSE and the router's loop; each hop: the
@@ -300,7 +302,15 @@ def start_three_nodes():
     cluster = Cluster(initialize_head=True, head_node_args={**THREE_NODES[0], **common, "include_dashboard": False})
     for node in THREE_NODES[1:]:
         cluster.add_node(**node, **common)
-    ray.init(address=cluster.address, logging_level="WARNING")
+    # ray.init rewrites a loopback address to this machine's outward IP
+    # (services.resolve_ip_for_localhost), where a cluster bound to 127.0.0.1 does not
+    # listen, unless Ray's own single-machine switch is off; it is read at each call.
+    from ray._private import ray_constants
+    saved, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
+    try:
+        ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
     return cluster
 
 
@@ -322,8 +332,13 @@ class Cell:
         return self._rate(self.served)
 
     def spread(self) -> str:
-        ratios = [s.tokens_per_s / lo.tokens_per_s for s, lo in zip(self.served, self.local)]
-        return f"{min(ratios):.2f}-{max(ratios):.2f}" if len(ratios) > 1 else "-"
+        return spread(self.served, self.local)
+
+
+def spread(levels: list[Level], bases: list[Level]) -> str:
+    """The range of the per-repeat ratio of ``levels`` to ``bases``, measured side by side."""
+    ratios = [lv.tokens_per_s / b.tokens_per_s for lv, b in zip(levels, bases)]
+    return f"{min(ratios):.2f}-{max(ratios):.2f}" if len(ratios) > 1 else "-"
 
 
 def main() -> None:
@@ -332,7 +347,9 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=None, help="default: every mode the model serves")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16, 32])
-    parser.add_argument("--requests-per-stream", type=int, default=1)
+    parser.add_argument("--requests-per-stream", type=int, default=None,
+                        help="default: enough for --min-requests a measurement")
+    parser.add_argument("--min-requests", type=int, default=8, help="requests in one measurement at least")
     parser.add_argument("--repeats", type=int, default=2, help="measurements of each cell, order alternating")
     parser.add_argument("--configs", nargs="+", default=["fixed", "autoscaled"])
     parser.add_argument("--threads", type=int, default=2, help="in-process onnxruntime threads")
@@ -344,8 +361,6 @@ def main() -> None:
     parser.add_argument("--plain-steps", type=int, default=None,
                         help="scheduler.plain_steps on both sides (default: the engine's)")
     parser.add_argument("--cpu-streams", type=int, default=16, help="streams at which CPU per token is read (0: not)")
-    parser.add_argument("--three-nodes", action="store_true",
-                        help="serve on a local Ray cluster of three nodes with the GPU config's custom resources")
     parser.add_argument("--port", type=int, default=8311)
     record.add_option(parser)
     args = parser.parse_args()
@@ -359,6 +374,22 @@ def held_out_prompts(engine: Engine) -> list[str]:
         chats = json.loads((ROOT / "tests/data/heldout_chat_prompts.json").read_text())
         return [engine.chat_template.render(c["messages"]) for c in chats]
     return [p["prompt"] for p in json.loads((ROOT / "tests/data/heldout_prompts.json").read_text())]
+
+
+def requests_per_stream(args: argparse.Namespace, streams: int) -> int:
+    """``--requests-per-stream``, or enough that a measurement holds ``--min-requests``
+    requests: one stream's single request is a second of work, too short to read a ratio."""
+    return args.requests_per_stream or max(1, -(-args.min_requests // streams))
+
+
+def start_cluster(config: str):
+    """The Ray a configuration runs on: ``gpu-yaml`` places by custom resources, so it gets
+    the three-node cluster that advertises them; every other configuration one local node."""
+    if config == "gpu-yaml":
+        return start_three_nodes()
+    from cluster.local import start_local_ray
+    start_local_ray()
+    return None
 
 
 def run(args: argparse.Namespace) -> None:
@@ -375,77 +406,87 @@ def run(args: argparse.Namespace) -> None:
     import ray
     from ray import serve
 
-    from cluster.local import serve_local, start_local_ray
-    cluster = start_three_nodes() if args.three_nodes else None
-    if cluster is None:
-        start_local_ray()
+    from cluster.local import serve_local
     base = f"http://127.0.0.1:{args.port}"
     cells: dict[tuple[str, str, int], Cell] = defaultdict(Cell)
     notes: list[str] = []
     mismatches = 0
     try:
         for config in args.configs:
-            serve_local(server_args(config, args, modes, args.model), port=args.port)
-            for mode in modes:
-                run_local, run_served = in_process_runner(engine, options[mode]), server_runner(base, mode,
-                                                                                                args.new_tokens)
-                for prompt in prompts[:4]:
-                    run_served(prompt)  # warm-up: first calls pay connection and replica start-up costs
+            cluster = start_cluster(config)
+            try:
+                serve_local(server_args(config, args, modes, args.model), port=args.port)
+                runners = {mode: (in_process_runner(engine, options[mode]), server_runner(base, mode, args.new_tokens))
+                           for mode in modes}
+                for mode in modes:
+                    for prompt in prompts[:4]:
+                        runners[mode][1](prompt)  # warm-up: first calls pay connection and replica start-up costs
                 for n in args.streams:
-                    cell = cells[(config, mode, n)]
+                    requests = requests_per_stream(args, n)
                     for repeat in range(args.repeats):
-                        order = ("local", "served") if repeat % 2 == 0 else ("served", "local")
-                        for side in order:
-                            if side == "local":
-                                cell.local.append(measure(run_local, prompts, n, args.requests_per_stream))
-                                continue
-                            before = snapshot(base, mode) if n == 1 and repeat == 0 else None
-                            cpu = ray_process_cpu() if n == args.cpu_streams and repeat == 0 else None
-                            level = measure(run_served, prompts, n, args.requests_per_stream)
-                            cell.served.append(level)
-                            if before is not None:
-                                notes.append(f"{config}, {mode}, one stream: "
-                                             f"{breakdown(before, snapshot(base, mode), level.ms_per_round)}")
-                            if cpu is not None:
-                                tokens = sum(len(r.token_ids) for r in level.results)
-                                notes.append(f"{config}, {mode}, {n} streams: "
-                                             f"{cpu_per_token(cpu, ray_process_cpu(), tokens)}")
-                    for level in cell.local:
-                        for i, r in enumerate(level.results):
-                            expected[mode].setdefault(prompts[i % len(prompts)], r.token_ids)
-                    mismatches += sum(r.token_ids != expected[mode][prompts[i % len(prompts)]]
-                                      for level in cell.local + cell.served for i, r in enumerate(level.results))
-                    print(f"{config} {mode} {n} streams: in-process {cell.local_rate:.1f}, served "
-                          f"{cell.served_rate:.1f} tok/s", file=sys.stderr, flush=True)
-            if config == "autoscaled":
-                replicas = {name: d.replica_states.get("RUNNING", 0) for name, d in
-                            serve.status().applications["specserve"].deployments.items()}
-                notes.append(f"autoscaled: running replicas at the end {replicas}")
+                        # Every mode at this concurrency inside one repeat, the order reversed
+                        # on the next: the machine's drift falls on every mode alike, so
+                        # "served / served target-only" compares runs minutes apart at most.
+                        for mode in modes if repeat % 2 == 0 else modes[::-1]:
+                            cell = cells[(config, mode, n)]
+                            run_local, run_served = runners[mode]
+                            for side in ("local", "served") if repeat % 2 == 0 else ("served", "local"):
+                                if side == "local":
+                                    cell.local.append(measure(run_local, prompts, n, requests))
+                                    continue
+                                before = snapshot(base, mode) if n == 1 and repeat == 0 else None
+                                cpu = ray_process_cpu() if n == args.cpu_streams and repeat == 0 else None
+                                level = measure(run_served, prompts, n, requests)
+                                cell.served.append(level)
+                                if before is not None:
+                                    notes.append(f"{config}, {mode}, one stream: "
+                                                 f"{breakdown(before, snapshot(base, mode), level.ms_per_round)}")
+                                if cpu is not None:
+                                    tokens = sum(len(r.token_ids) for r in level.results)
+                                    notes.append(f"{config}, {mode}, {n} streams: "
+                                                 f"{cpu_per_token(cpu, ray_process_cpu(), tokens)}")
+                    for mode in modes:
+                        cell = cells[(config, mode, n)]
+                        for level in cell.local:
+                            for i, r in enumerate(level.results):
+                                expected[mode].setdefault(prompts[i % len(prompts)], r.token_ids)
+                        mismatches += sum(r.token_ids != expected[mode][prompts[i % len(prompts)]]
+                                          for level in cell.local + cell.served for i, r in enumerate(level.results))
+                        print(f"{config} {mode} {n} streams: in-process {cell.local_rate:.1f}, served "
+                              f"{cell.served_rate:.1f} tok/s", file=sys.stderr, flush=True)
+                if config in ("autoscaled", "gpu-yaml"):
+                    replicas = {name: d.replica_states.get("RUNNING", 0) for name, d in
+                                serve.status().applications["specserve"].deployments.items()}
+                    notes.append(f"{config}: running replicas at the end {replicas}")
+            finally:
+                serve.shutdown()
+                ray.shutdown()
+                if cluster is not None:
+                    cluster.shutdown()
     finally:
-        serve.shutdown()
-        ray.shutdown()
-        if cluster is not None:
-            cluster.shutdown()
         engine.close()
     report(args, modes, cells, notes, mismatches, engine.config.scheduler.plain_steps)
 
 
 def report(args, modes: list[str], cells: dict, notes: list[str], mismatches: int, plain_steps: int) -> None:
-    where = "a local 3-node Ray cluster (head, target node, proposer node)" if args.three_nodes else "one Ray node"
+    where = ("one Ray node; gpu-yaml on a local 3-node Ray cluster (head, target node, proposer node)"
+             if "gpu-yaml" in args.configs else "one Ray node")
+    per_stream = ", ".join(f"{n} streams {requests_per_stream(args, n)}" for n in args.streams)
     print(f"\n{args.model.name} on {where}: {args.new_tokens} new tokens per request, greedy, EOS ignored, "
-          f"{args.requests_per_stream} request(s) per stream, each cell {args.repeats}x alternating in-process and "
-          f"served; in-process {args.threads} threads; server lanes {args.lanes}, stream interval "
+          f"requests per stream: {per_stream}; each cell {args.repeats}x, every mode at one concurrency in one "
+          f"repeat, alternating in-process and served; in-process {args.threads} threads; server lanes {args.lanes}, stream interval "
           f"{args.stream_interval}, write budget {args.stream_writes_per_s or 'none'}/s, plain steps {plain_steps}. "
           f"Every served output token-identical to in-process: {'yes' if mismatches == 0 else f'NO ({mismatches})'}\n")
     print("| config | mode | streams | in-process tok/s | served tok/s | served / in-process (per-repeat range) "
-          "| served / served target-only | in-process TTFT / ITL ms | served TTFT / ITL ms |")
+          "| served / served target-only (per-repeat range) | in-process TTFT / ITL ms | served TTFT / ITL ms |")
     print("|---|---|---|---|---|---|---|---|---|")
     for config in args.configs:
         for mode in modes:
             for n in args.streams:
                 cell = cells[(config, mode, n)]
                 base = cells.get((config, "none", n))
-                vs_none = f"{cell.served_rate / base.served_rate:.2f}" if base is not None and mode != "none" else "-"
+                vs_none = "-" if base is None or mode == "none" else \
+                    f"{cell.served_rate / base.served_rate:.2f} ({spread(cell.served, base.served)})"
                 lo, sv = cell.local, cell.served
                 print(f"| {config} | {mode} | {n} | {cell.local_rate:.1f} | {cell.served_rate:.1f} | "
                       f"{cell.served_rate / cell.local_rate:.2f} ({cell.spread()}) | {vs_none} | "
