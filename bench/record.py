@@ -78,8 +78,15 @@ def recording(directory: Path | None, bench: str, model: str | Path | None = Non
     print(f"record written: {path}", file=sys.stderr)
 
 
+# A line Ray's log monitor forwards to the driver's stdout from its own processes
+# ("(raylet) ...", "(ServeReplica:app:Router pid=123) ..."), coloured or not: Ray's, not the bench's.
+RAY_LOG_LINE = re.compile(r"^(\x1b\[[0-9;]*m)?\((raylet|[\w:.-]+ pid=\d+)\)")
+
+
 def write(directory: Path, bench: str, output: str, facts: dict[str, str], started: dt.datetime) -> Path:
-    """Delete ``bench``'s older records in ``directory``, then write this one."""
+    """Delete ``bench``'s older records in ``directory``, then write this one (less the
+    lines Ray forwarded)."""
+    output = "\n".join(line for line in output.splitlines() if not RAY_LOG_LINE.match(line))
     pattern = re.compile(rf"{re.escape(bench)}-\d{{4}}-\d{{2}}-\d{{2}}\.md")
     for old in directory.iterdir():
         if pattern.fullmatch(old.name):
