@@ -12,6 +12,8 @@ import pytest
 
 from .conftest import free_port
 
+# A graceful-shutdown budget of 1 s: Serve's shutdown otherwise waits its default 20 s for
+# the replica that never started.
 GPU_TARGET = {"placement_group_bundles": [{"CPU": 0.01}, {"CPU": 0.5, "GPU": 1}], "graceful_shutdown_timeout_s": 1}
 
 
