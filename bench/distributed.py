@@ -392,6 +392,31 @@ def start_cluster(config: str):
     return None
 
 
+def served_level(run_served, label: str, base: str, mode: str, streams: int, first: bool,
+                 args: argparse.Namespace, prompts: list[str], requests: int, notes: list[str]) -> Level:
+    """One served measurement. On a cell's first repeat it also notes, at one stream, where
+    a round's time goes, and at ``--cpu-streams``, the CPU each Ray process spends a token."""
+    before = snapshot(base, mode) if streams == 1 and first else None
+    cpu = ray_process_cpu() if streams == args.cpu_streams and first else None
+    level = measure(run_served, prompts, streams, requests)
+    if before is not None:
+        notes.append(f"{label}, one stream: {breakdown(before, snapshot(base, mode), level.ms_per_round)}")
+    if cpu is not None:
+        tokens = sum(len(r.token_ids) for r in level.results)
+        notes.append(f"{label}, {streams} streams: {cpu_per_token(cpu, ray_process_cpu(), tokens)}")
+    return level
+
+
+def mismatches_of(cell: Cell, expected: dict[str, list[int]], prompts: list[str]) -> int:
+    """The cell's outputs that differ from the first in-process output of their prompt
+    (``expected``, which this fills from the cell's in-process runs)."""
+    for level in cell.local:
+        for i, r in enumerate(level.results):
+            expected.setdefault(prompts[i % len(prompts)], r.token_ids)
+    return sum(r.token_ids != expected[prompts[i % len(prompts)]]
+               for level in cell.local + cell.served for i, r in enumerate(level.results))
+
+
 def run(args: argparse.Namespace) -> None:
     scheduler = {} if args.plain_steps is None else {"plain_steps": args.plain_steps}
     engine = Engine(args.model, EngineConfig(device="cpu", intra_op_threads=args.threads, scheduler=scheduler))
@@ -433,25 +458,12 @@ def run(args: argparse.Namespace) -> None:
                             for side in ("local", "served") if repeat % 2 == 0 else ("served", "local"):
                                 if side == "local":
                                     cell.local.append(measure(run_local, prompts, n, requests))
-                                    continue
-                                before = snapshot(base, mode) if n == 1 and repeat == 0 else None
-                                cpu = ray_process_cpu() if n == args.cpu_streams and repeat == 0 else None
-                                level = measure(run_served, prompts, n, requests)
-                                cell.served.append(level)
-                                if before is not None:
-                                    notes.append(f"{config}, {mode}, one stream: "
-                                                 f"{breakdown(before, snapshot(base, mode), level.ms_per_round)}")
-                                if cpu is not None:
-                                    tokens = sum(len(r.token_ids) for r in level.results)
-                                    notes.append(f"{config}, {mode}, {n} streams: "
-                                                 f"{cpu_per_token(cpu, ray_process_cpu(), tokens)}")
+                                else:
+                                    cell.served.append(served_level(run_served, f"{config}, {mode}", base, mode, n,
+                                                                    repeat == 0, args, prompts, requests, notes))
                     for mode in modes:
                         cell = cells[(config, mode, n)]
-                        for level in cell.local:
-                            for i, r in enumerate(level.results):
-                                expected[mode].setdefault(prompts[i % len(prompts)], r.token_ids)
-                        mismatches += sum(r.token_ids != expected[mode][prompts[i % len(prompts)]]
-                                          for level in cell.local + cell.served for i, r in enumerate(level.results))
+                        mismatches += mismatches_of(cell, expected[mode], prompts)
                         print(f"{config} {mode} {n} streams: in-process {cell.local_rate:.1f}, served "
                               f"{cell.served_rate:.1f} tok/s", file=sys.stderr, flush=True)
                 if config in ("autoscaled", "gpu-yaml"):
@@ -474,8 +486,8 @@ def report(args, modes: list[str], cells: dict, notes: list[str], mismatches: in
     per_stream = ", ".join(f"{n} streams {requests_per_stream(args, n)}" for n in args.streams)
     print(f"\n{args.model.name} on {where}: {args.new_tokens} new tokens per request, greedy, EOS ignored, "
           f"requests per stream: {per_stream}; each cell {args.repeats}x, every mode at one concurrency in one "
-          f"repeat, alternating in-process and served; in-process {args.threads} threads; server lanes {args.lanes}, stream interval "
-          f"{args.stream_interval}, write budget {args.stream_writes_per_s or 'none'}/s, plain steps {plain_steps}. "
+          f"repeat, alternating in-process and served; in-process {args.threads} threads; server lanes "
+          f"{args.lanes}, stream interval {args.stream_interval}, write budget {args.stream_writes_per_s or 'none'}/s, plain steps {plain_steps}. "
           f"Every served output token-identical to in-process: {'yes' if mismatches == 0 else f'NO ({mismatches})'}\n")
     print("| config | mode | streams | in-process tok/s | served tok/s | served / in-process (per-repeat range) "
           "| served / served target-only (per-repeat range) | in-process TTFT / ITL ms | served TTFT / ITL ms |")

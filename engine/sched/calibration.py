@@ -2,8 +2,8 @@
 tables adaptive speculation plans with (``sched.cost_tables``).
 
 ``measure_verify_costs`` times the target on batches of dummy sequences (1 and 5 rows
-each, at a few batch sizes, and 2 alone) -- which also warms onnxruntime up, so the first request
-does not pay for it; ``measure_draft_costs`` times a proposer kind on synthetic contexts.
+each at a few batch sizes, and 2 rows at batch 1) -- which also warms onnxruntime up, so
+the first request does not pay for it; ``measure_draft_costs`` times a proposer kind on synthetic contexts.
 """
 from __future__ import annotations
 

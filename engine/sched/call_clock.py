@@ -6,10 +6,9 @@ worker runs one call at a time: a call sent while another lane's call to that wo
 running waits for it. The draft-length planner prices a round by what its calls cost;
 taught with the wait included, it learns another lane's work as this plan's, and a plain
 round that queued behind a multi-step call looks as dear as the whole of it
-(docs/architecture.md). So a call
-counts from when it was sent or when the last call to the same worker that finished
-while it was in flight finished, whichever is later: the worker serves in order, so
-that is when it started on this one.
+(docs/architecture.md). So a call counts from when it was sent or when the last call to
+the same worker that finished while it was in flight finished, whichever is later: the
+worker serves in order, so that is when it started on this one.
 """
 from __future__ import annotations
 

@@ -57,8 +57,9 @@ MIXED_PLAN_MARGIN = 0.05  # a plan between "no drafts" and "every maximum" must 
 EXPLORE_EVERY, EXPLORE_BATCH, EXPLORE_MIN = 32, 4, 8
 # A mode whose plans draft nothing pays for each exploration from 0 (a proposer call, a
 # verify pass where a plain step would do, a multi-step call broken up), which at a wait
-# of 8 rounds is several percent of one-stream speed (docs/adaptive-speculation.md). So each exploration from 0 that leaves its mode's plans at 0 doubles that mode's wait,
-# up to EXPLORE_BACKOFF times; a plan that drafts for the mode again starts it over.
+# of 8 rounds is several percent of one-stream speed (docs/adaptive-speculation.md). So
+# each exploration from 0 that leaves its mode's plans at 0 doubles that mode's wait, up
+# to EXPLORE_BACKOFF times; a plan that drafts for the mode again starts it over.
 EXPLORE_BACKOFF = 8
 MULTI_STEP_MARGIN = 0.1  # a multi-step call must be predicted this much faster than a drafting plan:
                          # it skips as many chances to re-plan as it has further rounds, and near the
