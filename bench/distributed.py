@@ -13,17 +13,18 @@ concurrency and each mode it runs that many streaming requests at once (held-out
 chat prompts in the model's template, or the fixture's code prompts; greedy, EOS ignored)
 in-process through ``Engine.generate`` from threads and through the OpenAI streaming API
 on 127.0.0.1, at least ``--min-requests`` requests a measurement, and prints aggregate
-tokens/s, time to first token and inter-token latency. In-process and served take turns
-cell by cell, and every mode at one concurrency runs inside one repeat (``--repeats``
-times, the orders reversed each repeat), so the machine's drift falls on both sides and on
-every mode: the spread of each per-repeat ratio says how noisy a cell was. Every served
-output is checked token-for-token against the in-process one.
+tokens/s, time to first token and inter-token latency. Each repeat (``--repeats``) is cut
+into slices of one request per stream, and every mode runs each slice in-process and
+served in turn, the orders reversed on the next slice, so the machine's drift falls on
+both sides and on every mode alike and a ratio compares runs seconds apart: the spread of
+each per-repeat ratio says how noisy a cell was. Every served output is checked
+token-for-token against the in-process one.
 
-At one stream the bench breaks a served round down from the router's tick timer and the
-workers' own timers (outside the tick: HTTP/SSE and the router's loop; each hop: the
-router's call minus the worker's time; the workers' object-store traffic; their model
-compute). At ``--cpu-streams`` it reads each Ray process's CPU time from /proc around the
-served cell and prints CPU milliseconds per token by process (HTTP proxy, router, target
+At one stream the bench breaks a served round down over the first repeat, from the
+router's tick timer and the workers' own timers (outside the tick: HTTP/SSE and the
+router's loop; each hop: the router's call minus the worker's time; the workers'
+object-store traffic; their model compute). At ``--cpu-streams`` it reads each Ray
+process's CPU time from /proc around the first served slice and prints CPU milliseconds per token by process (HTTP proxy, router, target
 worker, proposer workers, the client).
 """
 from __future__ import annotations
@@ -72,10 +73,13 @@ class Level:
     ms_per_round: float
     results: list[StreamResult]
     seconds: float = 0.0
+    prompts: list[str] = field(default_factory=list)  # each result's prompt
 
 
-def measure(run_one, prompts: list[str], streams: int, rounds_per_level: int) -> Level:
-    jobs = [prompts[i % len(prompts)] for i in range(streams * rounds_per_level)]
+def measure(run_one, prompts: list[str], streams: int, rounds_per_level: int, start: int = 0) -> Level:
+    """``streams`` requests at once, ``rounds_per_level`` each, on the prompts from index
+    ``start`` on (cycling)."""
+    jobs = [prompts[(start + i) % len(prompts)] for i in range(streams * rounds_per_level)]
     started = time.perf_counter()
     with ThreadPoolExecutor(streams) as pool:
         results = list(pool.map(run_one, jobs))
@@ -84,7 +88,7 @@ def measure(run_one, prompts: list[str], streams: int, rounds_per_level: int) ->
     return Level(streams, tokens / elapsed, 1000 * statistics.mean(r.ttft for r in results),
                  1000 * statistics.mean(r.itl for r in results),
                  1000 * statistics.mean((r.stamps[-1] - r.started) / max(1, r.rounds + 1) for r in results), results,
-                 elapsed)
+                 elapsed, jobs)
 
 
 def in_process_runner(engine: Engine, options: GenerationOptions):
@@ -147,11 +151,11 @@ def snapshot(base_url: str, mode: str) -> dict[str, float]:
     return out
 
 
-def breakdown(before: dict, after: dict, round_ms: float) -> str:
-    """Per-round milliseconds at one stream (one sequence per tick; with plain_steps > 1 a
-    tick runs several of its rounds, and its costs are spread over them). With one target
-    replica: the target's counters are that replica's."""
-    d = {k: after[k] - before[k] for k in after}
+def breakdown(d: dict, round_ms: float) -> str:
+    """Per-round milliseconds at one stream from the timers' growth ``d`` (``snapshot``'s
+    keys; one sequence per tick; with plain_steps > 1 a tick runs several of its rounds,
+    and its costs are spread over them). With one target replica: the target's counters
+    are that replica's."""
     rounds = max(d["rounds"], 1)
 
     def ms(seconds: float) -> float:
@@ -314,30 +318,39 @@ def start_three_nodes():
     return cluster
 
 
+def rate(levels: list[Level]) -> float:
+    """Tokens per second over several measurements together."""
+    return sum(sum(len(r.token_ids) for r in lv.results) for lv in levels) / sum(lv.seconds for lv in levels)
+
+
 @dataclass
 class Cell:
-    local: list[Level] = field(default_factory=list)
-    served: list[Level] = field(default_factory=list)
+    """One (config, mode, streams) cell: each repeat's measurements, in-process and served."""
+
+    local: dict[int, list[Level]] = field(default_factory=lambda: defaultdict(list))
+    served: dict[int, list[Level]] = field(default_factory=lambda: defaultdict(list))
+    round_timers: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # one stream, first repeat
+    timed: list[Level] = field(default_factory=list)  # the served slices ``round_timers`` covers
 
     @staticmethod
-    def _rate(levels: list[Level]) -> float:
-        return sum(sum(len(r.token_ids) for r in lv.results) for lv in levels) / sum(lv.seconds for lv in levels)
+    def levels(side: dict[int, list[Level]]) -> list[Level]:
+        return [level for repeat in sorted(side) for level in side[repeat]]
 
     @property
     def local_rate(self) -> float:
-        return self._rate(self.local)
+        return rate(self.levels(self.local))
 
     @property
     def served_rate(self) -> float:
-        return self._rate(self.served)
+        return rate(self.levels(self.served))
 
     def spread(self) -> str:
         return spread(self.served, self.local)
 
 
-def spread(levels: list[Level], bases: list[Level]) -> str:
-    """The range of the per-repeat ratio of ``levels`` to ``bases``, measured side by side."""
-    ratios = [lv.tokens_per_s / b.tokens_per_s for lv, b in zip(levels, bases)]
+def spread(side: dict[int, list[Level]], base: dict[int, list[Level]]) -> str:
+    """The range of the per-repeat ratio of ``side`` to ``base``, measured side by side."""
+    ratios = [rate(side[repeat]) / rate(base[repeat]) for repeat in sorted(side)]
     return f"{min(ratios):.2f}-{max(ratios):.2f}" if len(ratios) > 1 else "-"
 
 
@@ -392,29 +405,35 @@ def start_cluster(config: str):
     return None
 
 
-def served_level(run_served, label: str, base: str, mode: str, streams: int, first: bool,
-                 args: argparse.Namespace, prompts: list[str], requests: int, notes: list[str]) -> Level:
-    """One served measurement. On a cell's first repeat it also notes, at one stream, where
-    a round's time goes, and at ``--cpu-streams``, the CPU each Ray process spends a token."""
-    before = snapshot(base, mode) if streams == 1 and first else None
-    cpu = ray_process_cpu() if streams == args.cpu_streams and first else None
-    level = measure(run_served, prompts, streams, requests)
+def served_level(run_served, cell: Cell, label: str, base: str, mode: str, streams: int, repeat: int, part: int,
+                 args: argparse.Namespace, prompts: list[str], notes: list[str]) -> Level:
+    """One served slice (a request per stream). On a cell's first repeat it also adds, at
+    one stream, the round's timers to the cell's (``cell.round_timers``), and on its first
+    slice at ``--cpu-streams`` notes the CPU each Ray process spends a token."""
+    timing = streams == 1 and repeat == 0
+    before = snapshot(base, mode) if timing else None
+    cpu = ray_process_cpu() if streams == args.cpu_streams and repeat == 0 and part == 0 else None
+    level = measure(run_served, prompts, streams, 1, start=part * streams)
     if before is not None:
-        notes.append(f"{label}, one stream: {breakdown(before, snapshot(base, mode), level.ms_per_round)}")
+        after = snapshot(base, mode)
+        for key, value in after.items():
+            cell.round_timers[key] += value - before[key]
+        cell.timed.append(level)
     if cpu is not None:
         tokens = sum(len(r.token_ids) for r in level.results)
         notes.append(f"{label}, {streams} streams: {cpu_per_token(cpu, ray_process_cpu(), tokens)}")
     return level
 
 
-def mismatches_of(cell: Cell, expected: dict[str, list[int]], prompts: list[str]) -> int:
+def mismatches_of(cell: Cell, expected: dict[str, list[int]]) -> int:
     """The cell's outputs that differ from the first in-process output of their prompt
     (``expected``, which this fills from the cell's in-process runs)."""
-    for level in cell.local:
-        for i, r in enumerate(level.results):
-            expected.setdefault(prompts[i % len(prompts)], r.token_ids)
-    return sum(r.token_ids != expected[prompts[i % len(prompts)]]
-               for level in cell.local + cell.served for i, r in enumerate(level.results))
+    local, served = cell.levels(cell.local), cell.levels(cell.served)
+    for level in local:
+        for prompt, r in zip(level.prompts, level.results):
+            expected.setdefault(prompt, r.token_ids)
+    return sum(r.token_ids != expected[prompt] for level in local + served
+               for prompt, r in zip(level.prompts, level.results))
 
 
 def run(args: argparse.Namespace) -> None:
@@ -447,23 +466,13 @@ def run(args: argparse.Namespace) -> None:
                     for prompt in prompts[:4]:
                         runners[mode][1](prompt)  # warm-up: first calls pay connection and replica start-up costs
                 for n in args.streams:
-                    requests = requests_per_stream(args, n)
-                    for repeat in range(args.repeats):
-                        # Every mode at this concurrency inside one repeat, the order reversed
-                        # on the next: the machine's drift falls on every mode alike, so
-                        # "served / served target-only" compares runs minutes apart at most.
-                        for mode in modes if repeat % 2 == 0 else modes[::-1]:
-                            cell = cells[(config, mode, n)]
-                            run_local, run_served = runners[mode]
-                            for side in ("local", "served") if repeat % 2 == 0 else ("served", "local"):
-                                if side == "local":
-                                    cell.local.append(measure(run_local, prompts, n, requests))
-                                else:
-                                    cell.served.append(served_level(run_served, f"{config}, {mode}", base, mode, n,
-                                                                    repeat == 0, args, prompts, requests, notes))
+                    measure_concurrency(config, n, args, modes, runners, cells, base, prompts, notes)
                     for mode in modes:
                         cell = cells[(config, mode, n)]
-                        mismatches += mismatches_of(cell, expected[mode], prompts)
+                        mismatches += mismatches_of(cell, expected[mode])
+                        if cell.timed:
+                            notes.append(f"{config}, {mode}, one stream: " + breakdown(
+                                cell.round_timers, statistics.mean(lv.ms_per_round for lv in cell.timed)))
                         print(f"{config} {mode} {n} streams: in-process {cell.local_rate:.1f}, served "
                               f"{cell.served_rate:.1f} tok/s", file=sys.stderr, flush=True)
                 if config in ("autoscaled", "gpu-yaml"):
@@ -480,13 +489,34 @@ def run(args: argparse.Namespace) -> None:
     report(args, modes, cells, notes, mismatches, engine.config.scheduler.plain_steps)
 
 
+def measure_concurrency(config: str, streams: int, args: argparse.Namespace, modes: list[str], runners: dict,
+                        cells: dict, base: str, prompts: list[str], notes: list[str]) -> None:
+    """Every mode at one concurrency, in-process and served, ``--repeats`` times. A repeat
+    is cut into slices of one request per stream, and every mode and side runs each slice
+    in turn, the orders reversed on the next slice: so the machine's drift (this VM's
+    speed moves 5-20 % within minutes) falls alike on every mode and on both sides, and a
+    ratio compares runs seconds apart -- a one-stream slice is one request."""
+    for repeat in range(args.repeats):
+        for part in range(requests_per_stream(args, streams)):
+            forward = (repeat * requests_per_stream(args, streams) + part) % 2 == 0
+            for mode in modes if forward else modes[::-1]:
+                cell = cells[(config, mode, streams)]
+                run_local, run_served = runners[mode]
+                for side in ("local", "served") if forward else ("served", "local"):
+                    if side == "local":
+                        cell.local[repeat].append(measure(run_local, prompts, streams, 1, start=part * streams))
+                    else:
+                        cell.served[repeat].append(served_level(run_served, cell, f"{config}, {mode}", base, mode,
+                                                                streams, repeat, part, args, prompts, notes))
+
+
 def report(args, modes: list[str], cells: dict, notes: list[str], mismatches: int, plain_steps: int) -> None:
     where = ("one Ray node; gpu-yaml on a local 3-node Ray cluster (head, target node, proposer node)"
              if "gpu-yaml" in args.configs else "one Ray node")
     per_stream = ", ".join(f"{n} streams {requests_per_stream(args, n)}" for n in args.streams)
     print(f"\n{args.model.name} on {where}: {args.new_tokens} new tokens per request, greedy, EOS ignored, "
-          f"requests per stream: {per_stream}; each cell {args.repeats}x, every mode at one concurrency in one "
-          f"repeat, alternating in-process and served; in-process {args.threads} threads; server lanes "
+          f"requests per stream: {per_stream}; each cell {args.repeats}x, each repeat in slices of a request per "
+          f"stream, every mode in-process and served on each slice in turn, the order reversed each slice; in-process {args.threads} threads; server lanes "
           f"{args.lanes}, stream interval {args.stream_interval}, write budget {args.stream_writes_per_s or 'none'}/s, plain steps {plain_steps}. "
           f"Every served output token-identical to in-process: {'yes' if mismatches == 0 else f'NO ({mismatches})'}\n")
     print("| config | mode | streams | in-process tok/s | served tok/s | served / in-process (per-repeat range) "
@@ -499,7 +529,7 @@ def report(args, modes: list[str], cells: dict, notes: list[str], mismatches: in
                 base = cells.get((config, "none", n))
                 vs_none = "-" if base is None or mode == "none" else \
                     f"{cell.served_rate / base.served_rate:.2f} ({spread(cell.served, base.served)})"
-                lo, sv = cell.local, cell.served
+                lo, sv = cell.levels(cell.local), cell.levels(cell.served)
                 print(f"| {config} | {mode} | {n} | {cell.local_rate:.1f} | {cell.served_rate:.1f} | "
                       f"{cell.served_rate / cell.local_rate:.2f} ({cell.spread()}) | {vs_none} | "
                       f"{statistics.mean(x.ttft_ms for x in lo):.0f} / {statistics.mean(x.itl_ms for x in lo):.1f} | "

@@ -20,7 +20,7 @@ from engine.sched.verify_split import verify_groups
 from engine.sched.acceptance import AcceptanceTracker
 from engine.sched.call_pricing import CATCH_UP_STEPS
 from engine.sched.draft_length import (ENGAGE_MARGIN, EXPLORE_BATCH, DraftLengthPlanner, DraftRequest, RoundPlan,
-                                      explore_wait)
+                                      RoundTime, explore_wait)
 from engine.speculative.proposers.registry import HEAD_MODES
 
 from .conftest import CPU_CONFIG, MODELS, generate_concurrently
@@ -412,7 +412,7 @@ def test_adaptive_rounds_give_the_target_only_tokens(mode, adaptive_engine, held
     solo = adaptive_engine.generate(*jobs[0])
     assert solo.token_ids == reference[0]
     costs = adaptive_engine.coordinator.planner.verify_costs  # the rounds taught the cost model
-    assert (costs.calls or costs.multi_step_calls) and costs.overheads
+    assert (costs.calls or costs.multi_step_calls) and costs.overheads and costs.gaps  # ... and the gaps between ticks
     if mode == "draft_model":  # ... and its first contacts (the prompts' prefills) priced its catch-up
         assert adaptive_engine.coordinator.planner.draft_costs.catch_ups["draft_model"][1] >= 1
     assert adaptive_engine.drain() and adaptive_engine.target.cache.used_blocks == 0
@@ -576,6 +576,31 @@ def test_where_calls_cost_a_hop_plain_rounds_run_several_to_a_call_instead_of_dr
         served.verify_costs.observe([5, 5], LAYOUT_TABLE.predict(2, 10) + hop)
     assert served.plan(ending) == RoundPlan([0, 0], 8)
     assert served.plan([DraftRequest("end", "eagle3", 0, True), ending[1]]) == RoundPlan([0, 0], 1)
+
+
+def test_the_gap_between_ticks_is_priced_once_a_tick_so_it_favours_several_plain_rounds_a_call():
+    """What lies between two of a lane's ticks -- on the server, the router streaming the
+    tokens out -- is paid once a tick: a drafting round pays it for its few tokens, a
+    multi-step call once for all its rounds'. Where a 1 ms hop alone leaves a good head's
+    drafts ahead, a 2 ms gap a tick puts eight plain rounds a call ahead; ticks after an
+    idle wait or a prefill say nothing of it."""
+    def planner(gap: float | None, prefills: int = 0) -> DraftLengthPlanner:
+        plans = controller({"eagle3": 0.6}, table=LAYOUT_TABLE)
+        plans.plain_steps = 8
+        for _ in range(20):
+            plans.verify_costs.observe([1], LAYOUT_TABLE.predict(1, 1) + 0.001)
+            plans.verify_costs.observe([5], LAYOUT_TABLE.predict(1, 5) + 0.001)
+            plans.verify_costs.observe([1], 8 * LAYOUT_TABLE.predict(1, 1) + 0.001, steps=8)
+            plans.draft_costs.observe("eagle3", 1, 4, 4, HEAD.seconds[(1, 4)] + 0.001)
+            plans.observe(RoundTime(1, prefills, False, 0.0002, gap))
+        return plans
+
+    assert planner(None).plan(requests("eagle3", 1)) == RoundPlan([4], 1)
+    assert planner(0.0).plan(requests("eagle3", 1)) == RoundPlan([4], 1)
+    assert planner(0.002, prefills=1).plan(requests("eagle3", 1)) == RoundPlan([4], 1)
+    served = planner(0.002)
+    assert served.verify_costs.gap(1) == pytest.approx(0.002)
+    assert served.plan(requests("eagle3", 1)) == RoundPlan([0], 8)
 
 
 def test_a_lookup_that_rarely_finds_drafts_lets_its_calls_run_several_plain_rounds_where_calls_cost_a_hop():

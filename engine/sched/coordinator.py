@@ -113,6 +113,9 @@ class _Lane:
     task: asyncio.Task | None = None
     ticking: bool = False  # releases are in flight inside a tick
     members: dict[str, frozenset] = field(default_factory=dict)  # target replica -> its last call's sequences
+    # when its last tick ended, while it has had work since and that tick ran no prefill:
+    # what lies between two ticks is a round's cost too (``VerifyCostModel.observe_gap``)
+    tick_ended: float | None = None
 
     @property
     def has_work(self) -> bool:
@@ -246,6 +249,7 @@ class RoundCoordinator:
     async def _lane_loop(self, lane: _Lane) -> None:
         while True:
             if not lane.has_work:
+                lane.tick_ended = None  # idle, not a gap a round pays
                 lane.wake.clear()
                 await lane.wake.wait()
                 continue
@@ -259,6 +263,7 @@ class RoundCoordinator:
             finally:
                 lane.ticking = False
             if lane.runs and all(r.grant is None for r in lane.runs) and not lane.kv_releases:
+                lane.tick_ended = None
                 await asyncio.sleep(0.01)  # only re-admissions pending: do not spin
             else:
                 # Yield to the loop between ticks: in-process transport calls never suspend, so
@@ -269,6 +274,8 @@ class RoundCoordinator:
     # -- one tick ------------------------------------------------------------------------
     async def _tick(self, lane: _Lane) -> None:
         started = time.perf_counter()
+        gap = None if lane.tick_ended is None else started - lane.tick_ended
+        lane.tick_ended = None
         for run in list(lane.runs):
             if run.cancelled or run.driver.finished:
                 self._retire(lane, run)
@@ -304,7 +311,9 @@ class RoundCoordinator:
         if self.planner is not None:
             self.planner.observe(RoundTime(len(decoding), len(prefilling),
                                            any(run.driver.round_steps > 1 for run in decoding),
-                                           finished - started - in_calls))
+                                           finished - started - in_calls, gap))
+        if not prefilling:
+            lane.tick_ended = finished
         t = self.timings
         t.ticks, t.rounds = t.ticks + 1, t.rounds + len(prefilling) + len(decoding)
         t.propose_s += propose_done - started

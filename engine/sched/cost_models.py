@@ -57,6 +57,7 @@ class VerifyCostModel:
         # (bucket, drafting) -> ((table seconds, real seconds) averaged, calls)
         self.calls: dict[tuple[int, bool], tuple[tuple[float, float], int]] = {}
         self.overheads: dict[int, tuple[tuple[float], int]] = {}  # bucket -> ((seconds,), rounds)
+        self.gaps: dict[int, tuple[tuple[float], int]] = {}  # bucket -> ((seconds,), ticks): ``observe_gap``
         # bucket -> ((table seconds, real seconds) averaged, calls) of multi-step calls
         self.multi_step_calls: dict[int, tuple[tuple[float, float], int]] = {}
         # bucket -> its ``_kinds``, until the next call is learnt: a plan prices a dozen
@@ -112,14 +113,15 @@ class VerifyCostModel:
         call differs from a plain one mostly by its object-store traffic, not by rows, so
         through the server that slope would price further rounds several times too dear.)
         Plus every round's overhead: committing and streaming its tokens is paid per round,
-        not per call, and counted once it would make plain rounds look cheaper than they run."""
+        not per call, and counted once it would make plain rounds look cheaper than they run;
+        and one gap between ticks (``gap``), which the call's rounds share."""
         table = self.table.predict(batch, batch)
         if self.knows_multi_step(batch):
             (mean_table, mean_real), _ = self.multi_step_calls[load_bucket(batch)]
             call = steps * table * mean_real / mean_table
         else:
             call = self.call(batch, batch) + (steps - 1) * table
-        return call + steps * self.overhead(batch)
+        return call + steps * self.overhead(batch) + self.gap(batch)
 
     def knows_multi_step(self, batch: int) -> bool:
         """Whether ``plain_rounds`` at this batch size prices from multi-step calls it has
@@ -131,15 +133,22 @@ class VerifyCostModel:
         seen = self.overheads.get(load_bucket(batch))
         return seen[0][0] if seen is not None else 0.0
 
+    def gap(self, batch: int) -> float:
+        """Seconds a tick of ``batch`` sequences waits after its lane's previous one
+        (``observe_gap``); 0 until seen."""
+        seen = self.gaps.get(load_bucket(batch))
+        return seen[0][0] if seen is not None else 0.0
+
     def predict(self, batch: int, rows: int) -> float:
         """Seconds of a round whose target call verifies ``batch`` sequences padded to
-        ``rows`` rows: the call, and what the round costs beyond its calls."""
-        return self.call(batch, rows) + self.overhead(batch)
+        ``rows`` rows: the call, what the round costs beyond its calls, and the gap before
+        its tick."""
+        return self.call(batch, rows) + self.overhead(batch) + self.gap(batch)
 
     def round_prices(self, batch: int) -> Callable[[int], float]:
         """``predict`` at one batch size, as a function of rows (``call_prices``)."""
-        call, overhead = self.call_prices(batch), self.overhead(batch)
-        return lambda rows: call(rows) + overhead
+        call, fixed = self.call_prices(batch), self.overhead(batch) + self.gap(batch)
+        return lambda rows: call(rows) + fixed
 
     def observe(self, rows: Sequence[int], seconds: float, steps: int = 1) -> None:
         """One target call verifying sequences of these rows each (drafts + 1) took
@@ -166,11 +175,27 @@ class VerifyCostModel:
         bucket, learnt from every round: kept per kind, a drafting overhead inflated once
         (a round at the tail of a busy run) would stop drafting, and rounds without drafts
         would never correct it."""
-        bucket = load_bucket(batch)
-        seen = self.overheads.get(bucket)
-        if seen is not None and seen[1] >= MIN_KIND_CALLS:
-            seconds = min(seconds, OUTLIER * max(seen[0][0], OVERHEAD_FLOOR))
-        _learn(self.overheads, bucket, (seconds,), self.smoothing)
+        _learn_bounded(self.overheads, load_bucket(batch), seconds, self.smoothing)
+
+    def observe_gap(self, batch: int, seconds: float) -> None:
+        """A tick of ``batch`` sequences started ``seconds`` after its lane's previous tick
+        ended, the lane having work all along: the event loop's other work in between,
+        paid once a tick whatever the tick ran. In-process that is next to nothing; on the
+        server it is where the router streams the tokens out (SSE), a millisecond or more
+        a tick (``bench/distributed.py``'s "outside the tick"), which a drafting round pays
+        for its few tokens and a multi-step call once for all its rounds' -- unpriced,
+        drafting through the server looks cheaper than it runs."""
+        _learn_bounded(self.gaps, load_bucket(batch), seconds, self.smoothing)
+
+
+def _learn_bounded(values: dict, bucket: int, seconds: float, smoothing: float) -> None:
+    """``_learn`` a bucket's seconds, each sample at most ``OUTLIER`` times the mean once
+    ``MIN_KIND_CALLS`` are in (a busy moment, learnt whole, would price drafting out, and
+    rounds without drafts would be slow to correct it)."""
+    seen = values.get(bucket)
+    if seen is not None and seen[1] >= MIN_KIND_CALLS:
+        seconds = min(seconds, OUTLIER * max(seen[0][0], OVERHEAD_FLOOR))
+    _learn(values, bucket, (seconds,), smoothing)
 
 
 def _learn(values: dict, key, sample: tuple[float, ...], smoothing: float) -> None:

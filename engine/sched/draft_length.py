@@ -29,8 +29,8 @@ to back in one call (``SchedulerConfig.plain_steps``, vLLM's num_scheduler_steps
 
 The coordinator only schedules: it asks ``plan(call)`` before a round's target call and
 reports what it then sees through ``observe(record)`` -- a verified round, a retired
-sequence, a proposer or target call and its seconds, a round's time outside its calls, a
-proposer kind's measured costs. Which of them teach what is decided here.
+sequence, a proposer or target call and its seconds, a round's time outside its calls and
+the gap before its tick, a proposer kind's measured costs. Which of them teach what is decided here.
 """
 from __future__ import annotations
 
@@ -125,12 +125,14 @@ class ProposerCall(NamedTuple):
 
 
 class RoundTime(NamedTuple):
-    """A tick's seconds outside its proposer and target calls."""
+    """A tick's seconds outside its proposer and target calls, and since its lane's last."""
 
     sequences: int    # decoding sequences
     prefills: int
     multi_step: bool  # some target call ran several plain rounds
     seconds: float
+    gap: float | None = None  # seconds since the lane's previous tick ended, where it had work
+                              # all along and that tick ran no prefill (``VerifyCostModel.observe_gap``)
 
 
 class DraftCosts(NamedTuple):
@@ -250,6 +252,8 @@ class DraftLengthPlanner:
             case RoundTime():
                 if record.sequences and not record.prefills and not record.multi_step:  # one round's, not several's
                     self.verify_costs.observe_overhead(record.sequences, record.seconds)
+                if record.sequences and not record.prefills and record.gap is not None:
+                    self.verify_costs.observe_gap(record.sequences, record.gap)
             case DraftCosts():
                 self.draft_costs.add(record.mode, record.table)
 
