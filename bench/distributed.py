@@ -259,7 +259,8 @@ def server_args(config: str, args: argparse.Namespace, modes: list[str], model: 
 
 def gpu_config_on_cpu(model: Path, modes: list[str]) -> dict:
     """cluster/serve_config.gpu.yaml's application, its CPU variant: the model measured,
-    on CPU (its bundles without GPUs, the target worker with serve_config.yaml's CPUs),
+    on CPU (its bundles without GPUs, the target worker with serve_config.yaml's CPUs and
+    onnxruntime threads: the GPU file leaves them to the GPU's one reserved CPU),
     its deployments' options as the file gives them -- custom resources and autoscaling
     included -- less those of proposers the model does not have."""
     import yaml
@@ -274,8 +275,9 @@ def gpu_config_on_cpu(model: Path, modes: list[str]) -> dict:
     speculative["default_mode"] = "auto"
     speculative["load"] = [m for m in speculative.get("load") or () if m in modes]
     made = {"Router", "TargetModel"} | {PROPOSER_KINDS[m].deployment for m in speculative["load"]}
-    cpu_target = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["deployments"]
-    target_cpus = next(d for d in cpu_target if d["name"] == "TargetModel")["placement_group_bundles"][1]["CPU"]
+    cpu_app = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]
+    target_cpus = next(d for d in cpu_app["deployments"] if d["name"] == "TargetModel")["placement_group_bundles"][1]["CPU"]
+    args["engine"]["intra_op_threads"] = cpu_app["args"]["engine"]["intra_op_threads"]
     overrides = {}
     for deployment in app["deployments"]:
         name = deployment.pop("name")

@@ -95,14 +95,16 @@ def spawn_worker(cls: type, *args):
 
 def worker_config(engine_config: dict) -> EngineConfig:
     """The engine config as a worker runs it: one process among several on the node, so
-    its onnxruntime threads do not spin on shared cores, and -- unless the config sets
-    ``intra_op_threads`` -- it gets as many threads as the CPUs Ray reserved for it (at
-    least one). onnxruntime's default, every physical core, with spinning off wakes its
-    pool for every op, which makes a decode step slower than one thread does (and
-    spinning would starve the router; docs/design-decisions.md). Calls at batch 1 (the twin's) get
-    ``LONE_SEQUENCE_THREADS``, spinning within a run: a lone sequence leaves cores idle."""
+    its onnxruntime threads spin only while a run lasts and leave the cores to the router
+    and the HTTP proxy between runs, and -- unless the config sets ``intra_op_threads`` --
+    it gets as many threads as the CPUs Ray reserved for it (at least one). Threads that
+    sleep between ops wake for every op, which makes a batched step about twice as slow,
+    and threads that spin between runs too would starve the router (docs/design-decisions.md).
+    Calls at batch 1 (the twin's) get ``LONE_SEQUENCE_THREADS``: a lone sequence leaves
+    cores idle."""
     config = EngineConfig.model_validate(engine_config)
-    update: dict = {"thread_spinning": config.spinning(owns_cores=False)}
+    update: dict = {"thread_spinning": {"always": True, "within_run": "within_run", "never": False}[
+        config.spinning(owns_cores=False)]}
     if config.intra_op_threads is None:
         reserved = sum(amount for name, amount in ray.get_runtime_context().get_assigned_resources().items()
                        if name == "CPU" or name.startswith("CPU_group_"))
@@ -158,7 +160,7 @@ class TargetStepper:
         results = self.worker.step(prefills, verifies, releases)
         self.compute_s += time.perf_counter() - computing
         anchors = {r.seq_id: r.outcome.anchor for r in results
-                   if r.outcome is not None and _carries_data(r.outcome.anchor)}
+                   if r.outcome is not None and r.outcome.anchor is not None and not r.outcome.anchor.empty}
         ref = ray.put(anchors) if anchors else None
         results = [r if r.outcome is None else dataclasses.replace(
             r, outcome=dataclasses.replace(r.outcome, anchor=ref if r.seq_id in anchors else None)) for r in results]
@@ -250,11 +252,6 @@ def _target_grammars(target_dir: Path, vocab_size: int) -> GrammarCompiler:
     end-of-sequence tokens, read from its directory (the worker never loads the target)."""
     tokenizer = TextTokenizer(target_dir)
     return grammar_compiler(tokenizer, vocab_size, model_eos_token_ids(target_dir, tokenizer))
-
-
-def _carries_data(anchor) -> bool:
-    return anchor is not None and (anchor.final is not None or anchor.layers is not None
-                                   or anchor.shared_kv is not None)
 
 
 def _resolve_probs(verifies: list[VerifyItem]) -> list[VerifyItem]:

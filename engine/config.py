@@ -16,6 +16,9 @@ from engine.kv.replica_choice import ReplicaRouting
 from engine.options import MAX_SPECULATIVE_TOKENS, SpeculativeMode
 
 Device = Literal["auto", "cpu", "cuda"]  # where onnxruntime sessions run (``model.providers`` resolves "auto")
+# How an onnxruntime session's pool threads wait for work: spinning between runs too, spinning
+# within a run only (``session.force_spinning_stop``: they sleep once it ends), or sleeping.
+SpinPolicy = Literal["always", "within_run", "never"]
 
 # What ``default_mode="auto"`` picks: the first loaded of these (fastest first on the
 # bundled models, docs/benchmarks/); target-only if none is loaded.
@@ -80,11 +83,13 @@ class EngineConfig(BaseModel):
 
     device: Device = "auto"
     intra_op_threads: int | None = Field(None, ge=1, description="target's onnxruntime intra-op threads; None = its default")
-    thread_spinning: bool | Literal["auto"] = Field("auto", description=(
-        "let the target's onnxruntime threads spin-wait between runs. 'auto': on when the engine has the "
-        "process's cores to itself (the in-process Engine, where it is faster: docs/benchmarks/), off in a Ray "
-        "Serve replica, "
-        "where spinning threads take the cores other replicas need"))
+    thread_spinning: bool | Literal["auto", "within_run"] = Field("auto", description=(
+        "let the target's onnxruntime threads spin-wait for work: true, also between runs; 'within_run', "
+        "while a run lasts, sleeping once it ends; false, never. 'auto': true when the engine has the "
+        "process's cores to itself (the in-process Engine), 'within_run' in a Ray Serve worker, whose "
+        "neighbours (the router, the HTTP proxy) need the cores between its runs: a batched step spinning "
+        "within its run takes about half the time of one whose threads sleep between ops "
+        "(docs/benchmarks/worker_threads-*.md)"))
     proposer_threads: int = Field(1, ge=1, description=(
         "intra-op threads of draft/head sessions: 1 runs them on the calling thread, so they never fight "
         "the target's thread pool for cores (a round alternates between the two)"))
@@ -127,6 +132,11 @@ class EngineConfig(BaseModel):
         """Resolve ``prefix_caching``: on unless set false or a sliding window is set."""
         return self.sliding_window is None if self.prefix_caching is None else self.prefix_caching
 
-    def spinning(self, owns_cores: bool) -> bool:
+    def spinning(self, owns_cores: bool) -> SpinPolicy:
         """Resolve ``thread_spinning``: ``owns_cores`` is True for the in-process engine."""
-        return owns_cores if self.thread_spinning == "auto" else bool(self.thread_spinning)
+        setting = self.thread_spinning
+        if setting == "auto":
+            return "always" if owns_cores else "within_run"
+        if setting == "within_run":
+            return "within_run"
+        return "always" if setting else "never"

@@ -19,8 +19,8 @@ from engine.sched.cost_tables import DraftCostTable, VerifyCostTable
 from engine.sched.verify_split import verify_groups
 from engine.sched.acceptance import AcceptanceTracker
 from engine.sched.call_pricing import CATCH_UP_STEPS
-from engine.sched.draft_length import (ENGAGE_MARGIN, EXPLORE_BATCH, DraftLengthPlanner, DraftRequest, RoundPlan,
-                                      RoundTime, explore_wait)
+from engine.sched.draft_length import (ENGAGE_MARGIN, EXPLORE_BACKOFF, EXPLORE_BATCH, DraftLengthPlanner,
+                                      DraftRequest, RoundPlan, RoundTime, explore_wait)
 from engine.speculative.proposers.registry import HEAD_MODES
 
 from .conftest import CPU_CONFIG, MODELS, generate_concurrently
@@ -150,11 +150,12 @@ def test_exploring_from_no_drafts_backs_off_until_a_plan_drafts_again():
     do; one that leaves the mode's plans at 0 doubles its wait, up to ``EXPLORE_BACKOFF``
     times. A plan that drafts for the mode again starts the wait over."""
     loaded = controller({"eagle3": 0.05})
-    wait = int(explore_wait(EXPLORE_BATCH))
-    call = requests("eagle3", EXPLORE_BATCH)
-    explored = [i for i in range(wait * (1 + 2 + 4 + 8 + 8)) if sum(loaded.plan(call).num_drafts)]
+    wait = int(explore_wait(1))
+    call = requests("eagle3", 1)
+    doublings = [2 ** n for n in range(EXPLORE_BACKOFF.bit_length())]  # 1, 2, 4, ... EXPLORE_BACKOFF
+    explored = [i for i in range(wait * (sum(doublings) + EXPLORE_BACKOFF)) if sum(loaded.plan(call).num_drafts)]
     gaps = [b - a for a, b in zip([-1] + explored, explored)]
-    assert gaps == [wait, 2 * wait, 4 * wait, 8 * wait, 8 * wait], gaps
+    assert gaps == [wait * d for d in doublings + [EXPLORE_BACKOFF]], gaps
     for n in range(400):  # the mode turns good: plans draft again, and the wait starts over
         loaded.acceptance.record(("good", n), "eagle3", 4, 4)
     assert min(loaded.plan(call).num_drafts) > 0
@@ -162,6 +163,37 @@ def test_exploring_from_no_drafts_backs_off_until_a_plan_drafts_again():
         loaded.acceptance.record(("bad", n), "eagle3", 4, 0)
     plans = [sum(loaded.plan(call).num_drafts) for _ in range(wait)]
     assert plans[:-1] == [0] * (wait - 1) and plans[-1] == 1
+
+
+def test_a_call_brings_back_an_anchor_only_where_the_next_round_may_draft():
+    """A head drafts from its sequence's last anchor, which on the server is a put and a
+    reference per call. A plan asks for a request's anchor where it drafts, or where its
+    mode explores at the next plan; a request it would draft for but that holds no anchor
+    runs plain, one round, and brings it back; an exploration waits for its anchor rather
+    than being spent on a plain round."""
+    drafting = controller({"eagle3": 0.75}).plan(requests("eagle3", 1))
+    assert drafting == RoundPlan([4], 1) and drafting.anchors == [True]
+    unprimed = [DraftRequest("s", "eagle3", 4, True, primed=False)]
+    priming = controller({"eagle3": 0.75}).plan(unprimed)
+    assert priming == RoundPlan([0], 1) and priming.anchors == [True]
+    pinned = controller({"eagle3": 0.05}).plan(requests("eagle3", 1, adaptive=False))
+    assert pinned == RoundPlan([4], 1) and pinned.anchors == [True]
+
+    wait = int(explore_wait(EXPLORE_BATCH))
+    loaded, call = controller({"eagle3": 0.05}), requests("eagle3", EXPLORE_BATCH)
+    plans = [loaded.plan(call) for _ in range(wait - 2)]
+    assert all(p.num_drafts == [0] * EXPLORE_BATCH and p.anchors == [False] * EXPLORE_BATCH for p in plans)
+    before = loaded.plan(call)  # the next plan explores: this call brings the mode's anchors back
+    assert before.num_drafts == [0] * EXPLORE_BATCH and before.anchors == [True] * EXPLORE_BATCH
+    assert sum(loaded.plan(call).num_drafts) == 1
+    # The same exploration with no anchor in hand: deferred to the next plan, not lost.
+    loaded, cold = controller({"eagle3": 0.05}), [replace(r, primed=False) for r in call]
+    for _ in range(wait - 1):
+        loaded.plan(call)
+    deferred = loaded.plan(cold)
+    assert deferred.num_drafts == [0] * EXPLORE_BATCH and all(deferred.anchors)
+    explored = loaded.plan([replace(cold[0], primed=True), *cold[1:]])
+    assert explored.num_drafts == [1] + [0] * (EXPLORE_BATCH - 1)  # the one with an anchor explores
 
 
 def test_a_call_keeps_its_plan_for_a_few_rounds_and_plans_afresh_when_it_changes():
@@ -676,6 +708,40 @@ def test_a_head_drafts_from_the_last_of_several_plain_rounds(mode, adaptive_engi
     rate = lambda results: (sum(r.speculative.accepted_tokens for r in results)  # noqa: E731
                             / sum(r.speculative.proposed_tokens for r in results))
     assert rate(mixed) >= 0.8 * rate(usual), (rate(mixed), rate(usual))
+
+
+@pytest.mark.parametrize("mode", ["eagle3", "shared_kv"])
+def test_a_head_never_drafts_without_the_anchor_of_its_last_call(mode, adaptive_engine, heldout_prompts,
+                                                                  monkeypatch):
+    """Calls whose plan asks for no anchor bring none back (for ``shared_kv`` no KV
+    slices either); a plan that then wants drafts first runs a plain round that brings
+    the anchor back, so every proposal starts from the last call's anchor and the tokens
+    stay the target's."""
+    from engine.sched.proposer_worker import ProposerWorker
+
+    options = GenerationOptions(max_new_tokens=48, ignore_eos=True, speculative_mode=mode)
+    expected = [adaptive_engine.generate(p, options.model_copy(update={"speculative_mode": "none"})).token_ids
+                for p in heldout_prompts[:3]]
+    real_plan, real_propose = DraftLengthPlanner.plan, ProposerWorker.propose
+    plans, anchors = [], []
+
+    def plan(self, requests):  # every other plan: four plain rounds, no anchors brought back
+        plans.append(len(requests))
+        if len(plans) % 2:
+            return RoundPlan([0] * len(requests), 4, [False] * len(requests))
+        return real_plan(self, requests)
+
+    def propose(self, items):
+        anchors.extend(item.anchor for item in items)
+        return real_propose(self, items)
+
+    monkeypatch.setattr(DraftLengthPlanner, "plan", plan)
+    monkeypatch.setattr(ProposerWorker, "propose", propose)
+    results = [adaptive_engine.generate(p, options) for p in heldout_prompts[:3]]
+    assert [r.token_ids for r in results] == expected
+    assert sum(r.speculative.proposed_tokens for r in results) > 0 and anchors  # drafting still happened
+    assert all(anchor is not None and not anchor.empty for anchor in anchors)
+    assert all((anchor.shared_kv is not None) == (mode == "shared_kv") for anchor in anchors)
 
 
 def test_a_call_queued_behind_another_lanes_call_counts_from_when_the_worker_started_on_it():

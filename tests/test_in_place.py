@@ -215,7 +215,9 @@ def test_a_workers_batch_1_calls_get_two_threads_unless_configured():
                                                                                os.cpu_count() or 1))
     assert worker_config({"intra_op_threads": 4}).in_place_threads == 4  # never fewer than the reservation's
     assert worker_config({"intra_op_threads": 1, "in_place_threads": 1}).in_place_threads == 1
-    assert worker_config({"intra_op_threads": 1}).spinning(owns_cores=False) is False  # batched calls sleep
+    # Batched calls spin while they run and sleep between them (the router needs the cores then).
+    assert worker_config({"intra_op_threads": 2}).spinning(owns_cores=False) == "within_run"
+    assert worker_config({"intra_op_threads": 2, "thread_spinning": False}).spinning(owns_cores=False) == "never"
 
 
 def test_a_twin_onnxruntime_cannot_load_is_not_used(tmp_path, caplog):

@@ -48,8 +48,9 @@ class CachedDecoder:
         """``owns_cores``: the process runs only this engine (in-process) rather than one
         Ray replica among several; it decides ``thread_spinning="auto"``."""
         self.config = config or EngineConfig()
+        spinning = self.config.spinning(owns_cores)
         self.decoder = OnnxDecoder(model_dir, self.config.device, self.config.intra_op_threads,
-                                   thread_spinning=self.config.spinning(owns_cores))
+                                   thread_spinning=spinning)
         self.tokenizer = TextTokenizer(model_dir)
         vocab = self.decoder.vocab_size
         if self.tokenizer.vocab_size > vocab:
@@ -70,12 +71,12 @@ class CachedDecoder:
         self.batch_layouts = BatchLayouts(self.cache)
         self.in_place = None  # the batch-1 twin, where the model has one and the cache allows it
         # Whether this decoder's sessions keep a thread pool spinning after each run.
-        self._pools_spin = self.config.spinning(owns_cores) and self.config.intra_op_threads != 1
+        self._pools_spin = spinning == "always" and self.config.intra_op_threads != 1
         if self.config.in_place_kv and self.config.sliding_window is None:
             threads = self.config.in_place_threads or self.config.intra_op_threads
             # Several twin threads that sleep between ops wake for every op, which is slower
             # than spinning: where they would, they spin within a run instead.
-            spins = self.config.spinning(owns_cores) or (self.config.in_place_threads or 1) > 1
+            spins = spinning != "never" or (self.config.in_place_threads or 1) > 1
             self.in_place = InPlaceDecoder.load(self.decoder, threads, spins)
         self.buffers_made = 0  # in-place buffers allocated (a sequence's first, or one that grew or was copied)
 

@@ -60,7 +60,7 @@ class LinearLmHead:
         # fight the target's). It is faster than numpy's einsum, whose loop is not BLAS, and
         # numpy's BLAS matmul wakes OpenBLAS's thread pool, whose spinning threads slow the
         # target's runs down (docs/design-decisions.md).
-        self._session = ort.InferenceSession(MATMUL_GRAPH, session_options(1, spinning=False),
+        self._session = ort.InferenceSession(MATMUL_GRAPH, session_options(1, spinning="never"),
                                              providers=["CPUExecutionProvider"])
 
     @property

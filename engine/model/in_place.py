@@ -89,12 +89,10 @@ class InPlaceDecoder:
 
     @staticmethod
     def _session(path: Path, intra_op_threads: int | None, thread_spinning: bool) -> ort.InferenceSession:
-        options = session_options(intra_op_threads, spinning=thread_spinning)
-        if thread_spinning:
-            # Spin within a run, never after it: the standard session's pool, which serves the
-            # batched calls in between, would otherwise find this one's threads spinning on
-            # its cores; a batch-1 loop loses next to nothing by it (docs/design-decisions.md).
-            options.add_session_config_entry("session.force_spinning_stop", "1")
+        # Spin within a run, never after it: the standard session's pool, which serves the
+        # batched calls in between, would otherwise find this one's threads spinning on
+        # its cores; a batch-1 loop loses next to nothing by it (docs/design-decisions.md).
+        options = session_options(intra_op_threads, spinning="within_run" if thread_spinning else "never")
         return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
     @classmethod

@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 import onnxruntime as ort
 
-from engine.config import Device
+from engine.config import Device, SpinPolicy
 from engine.errors import ModelLoadError
 from engine.kv.paged_cache import LayerGeometry
 from engine.model.providers import create_session, session_options
@@ -89,7 +89,7 @@ class OnnxDecoder:
     """One ONNX decoder session plus everything needed to feed it correctly."""
 
     def __init__(self, model_dir: str | Path, device: Device = "auto", intra_op_threads: int | None = None,
-                 onnx_file: str | None = None, thread_spinning: bool = True) -> None:
+                 onnx_file: str | None = None, thread_spinning: SpinPolicy = "always") -> None:
         self.model_dir = Path(model_dir)
         if not self.model_dir.is_dir():
             raise ModelLoadError(f"model directory not found: {self.model_dir}")

@@ -11,7 +11,7 @@ import logging
 
 import onnxruntime as ort
 
-from engine.config import Device
+from engine.config import Device, SpinPolicy
 from engine.errors import ModelLoadError
 
 log = logging.getLogger("specserve.engine")
@@ -20,7 +20,7 @@ _cuda_unusable = False  # remembered so "auto" tries (and logs the CUDA failure)
 
 
 def session_options(intra_op_threads: int | None, inter_op_threads: int | None = None,
-                    spinning: bool = True) -> ort.SessionOptions:
+                    spinning: SpinPolicy = "always") -> ort.SessionOptions:
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if intra_op_threads is not None:
@@ -28,11 +28,15 @@ def session_options(intra_op_threads: int | None, inter_op_threads: int | None =
     if inter_op_threads is not None:
         options.inter_op_num_threads = inter_op_threads
     options.log_severity_level = 3  # errors only; provider fallbacks are checked explicitly
-    if not spinning:
+    if spinning == "never":
         # Idle pool threads that spin-wait after a run steal the cores the next session
         # needs; a session that alternates with others (a proposer) should sleep instead.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    elif spinning == "within_run":
+        # Threads that sleep between ops wake for every one of them; spinning only until
+        # the run ends leaves the cores to the other processes between runs.
+        options.add_session_config_entry("session.force_spinning_stop", "1")
     return options
 
 

@@ -33,6 +33,8 @@ class DraftRequest:
     cold: bool = False     # its proposer has not seen the sequence yet (``SequenceDriver.proposer_cold``)
     looked_up: int = 0     # a proposer in the coordinator looked for up to this many drafts before the plan
                            # (prompt lookup); max_num_drafts is then what it found
+    primed: bool = True    # its proposer could draft now: it needs no anchor, or holds the one its sequence's
+                           # last target call brought back (``DraftLengthPlanner.plan``: anchors on demand)
 
 
 class CallPricing:

@@ -353,7 +353,7 @@ class RoundCoordinator:
         for run in decoding:
             driver = run.driver
             driver.round_num_drafts = driver.max_num_drafts() if driver.local_proposer is None else driver.drafted
-            driver.round_steps = 1
+            driver.round_steps, driver.round_anchor = 1, True
         calls: dict[str, list[_Run]] = defaultdict(list)
         for run in decoding:
             calls[run.grant.replica].append(run)
@@ -368,11 +368,14 @@ class RoundCoordinator:
                 continue  # every round drafts its maximum: nothing to plan
             requests = [DraftRequest(r.driver.seq_id, r.driver.mode, r.driver.round_num_drafts, r.driver.adaptive,
                                      r.driver.catch_up, r.driver.ending, r.driver.proposer_cold,
-                                     r.driver.max_num_drafts() if r.driver.local_proposer is not None else 0)
+                                     r.driver.max_num_drafts() if r.driver.local_proposer is not None else 0,
+                                     r.driver.primed)
                         for r in runs]
             plan = self.planner.plan(requests)
-            for run, num_drafts in zip(runs, plan.num_drafts):
-                run.driver.round_num_drafts, run.driver.round_steps = num_drafts, plan.steps
+            anchors = plan.anchors or [True] * len(runs)
+            for run, num_drafts, anchor in zip(runs, plan.num_drafts, anchors):
+                run.driver.round_num_drafts, run.driver.round_steps, run.driver.round_anchor = \
+                    num_drafts, plan.steps, anchor
                 if run.driver.local_proposer is not None:
                     run.driver.keep_drafts(num_drafts)
                 if run.driver.adaptive:

@@ -34,7 +34,7 @@ the gap before its tick, a proposer kind's measured costs. Which of them teach w
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import product
 from typing import Iterable, NamedTuple, Sequence, Union
 
@@ -56,11 +56,12 @@ MIXED_PLAN_MARGIN = 0.05  # a plan between "no drafts" and "every maximum" must 
 # rejected a few times) keep a one-stream request at one draft to its end.
 EXPLORE_EVERY, EXPLORE_BATCH, EXPLORE_MIN = 32, 4, 8
 # A mode whose plans draft nothing pays for each exploration from 0 (a proposer call, a
-# verify pass where a plain step would do, a multi-step call broken up), which at a wait
-# of 8 rounds is several percent of one-stream speed (docs/adaptive-speculation.md). So
-# each exploration from 0 that leaves its mode's plans at 0 doubles that mode's wait, up
-# to EXPLORE_BACKOFF times; a plan that drafts for the mode again starts it over.
-EXPLORE_BACKOFF = 8
+# verify pass where a plain step would do, a multi-step call broken up): through the
+# server, at one stream, two hops and a verify pass of 2 rows, about a round and a half
+# (docs/adaptive-speculation.md). So each exploration from 0 that leaves its mode's plans
+# at 0 doubles that mode's wait, up to EXPLORE_BACKOFF times (256 rounds alone); a plan
+# that drafts for the mode again starts it over.
+EXPLORE_BACKOFF = 32
 MULTI_STEP_MARGIN = 0.1  # a multi-step call must be predicted this much faster than a drafting plan:
                          # it skips as many chances to re-plan as it has further rounds, and near the
                          # break-even a plan would otherwise swing to it on noise
@@ -81,12 +82,17 @@ def explore_wait(sequences: int) -> float:
     return max(EXPLORE_MIN, EXPLORE_EVERY * sequences / EXPLORE_BATCH)
 
 
-class RoundPlan(NamedTuple):
-    """One target call's plan: each request's draft count, in the call's order, and how
-    many plain rounds the call runs back to back (1 unless it drafts nothing)."""
+@dataclass(frozen=True)
+class RoundPlan:
+    """One target call's plan: each request's draft count, in the call's order, how many
+    plain rounds the call runs back to back (1 unless it drafts nothing), and for which
+    requests the call brings back the anchor their proposer starts from next round
+    (``DraftLengthPlanner.plan``; None: every request's). Plans compare by their drafts
+    and steps."""
 
     num_drafts: list[int]
     steps: int = 1
+    anchors: list[bool] | None = field(default=None, compare=False)
 
 
 # -- what the coordinator reports (``DraftLengthPlanner.observe``) --------------------------
@@ -226,16 +232,32 @@ class DraftLengthPlanner:
           the maximum worse by the plan's own measure.
 
         A multi-step call counts as that many rounds; exploring happens round by round
-        whatever the plan's source."""
+        whatever the plan's source.
+
+        *Anchors on demand.* A head drafts from the anchor of its sequence's last target
+        call (hidden states; for ``shared_kv`` also slices of the KV cache), which on the
+        server travels through the object store: a cost per call that a round without
+        drafts pays for nothing. So the plan asks a call for a request's anchor only where
+        its next round may draft: this round drafts for it, or its mode explores at the
+        next plan (``_explore``). A request without an anchor (``DraftRequest.primed``
+        False) that the plan would draft for runs this round plain, in a call of one
+        round, and brings its anchor back: it drafts one round later. A request whose
+        proposer needs no anchor (a draft model, prompt lookup) is always primed."""
         for r in call:
             if r.adaptive and r.looked_up:
                 self.lookups.record(r.seq_id, r.mode, r.max_num_drafts)
         if all(r.adaptive and r.max_num_drafts == 0 and not r.ending for r in call):
             # the plan _best would make: nothing to verify, a plain round -- or several (``_lookup_pause``)
-            return RoundPlan([0] * len(call), self._lookup_pause(call))
+            return RoundPlan([0] * len(call), self._lookup_pause(call), [not r.adaptive for r in call])
         num_drafts, steps = self._held_or_planned(call)
-        self._explore(call, num_drafts, steps)
-        return RoundPlan(num_drafts, steps if not any(num_drafts) else 1)  # exploring may have added a draft
+        explores_next = self._explore(call, num_drafts, steps)
+        priming = [n > 0 and not r.primed for n, r in zip(num_drafts, call)]
+        for i in (i for i, p in enumerate(priming) if p):
+            num_drafts[i] = 0
+        anchors = [n > 0 or p or not r.adaptive or r.mode in explores_next
+                   for n, p, r in zip(num_drafts, priming, call)]
+        # exploring may have added a draft; a priming request drafts next round
+        return RoundPlan(num_drafts, 1 if any(num_drafts) or any(priming) else steps, anchors)
 
     def observe(self, record: Observation) -> None:
         """Learn from what the coordinator saw (the records above)."""
@@ -382,7 +404,7 @@ class DraftLengthPlanner:
         return baseline if best.rate < baseline.rate * (1 + MIXED_PLAN_MARGIN) else best
 
     # -- exploring -----------------------------------------------------------------------
-    def _explore(self, call: Sequence[DraftRequest], num_drafts: list[int], steps: int = 1) -> None:
+    def _explore(self, call: Sequence[DraftRequest], num_drafts: list[int], steps: int = 1) -> set[str]:
         """Acceptance of draft position j is only measured in rounds that draft past it. A
         mode whose plans have stopped short of its maximum for ``explore_wait`` plans in a
         row gets one sequence drafting one position deeper (from 0: one draft), so its
@@ -392,8 +414,12 @@ class DraftLengthPlanner:
         multi-step call counts as that many plans: the wait is in rounds (at one stream,
         with several plain rounds a call, a wait in plans would outlast a request). Each
         exploration from 0 doubles its mode's wait until a plan drafts for it again
-        (``EXPLORE_BACKOFF``)."""
+        (``EXPLORE_BACKOFF``). A sequence that holds its anchor (``primed``) explores
+        before one that does not; where none does, the exploration waits for the next
+        plan, whose call brings their anchors back. Returns the modes that will explore
+        at the next plan (of a call of the same sequences): their calls bring anchors back."""
         waiting: dict[str, list[int]] = {}  # mode -> its adaptive sequences that could draft
+        explores_next: set[str] = set()
         for i, r in enumerate(call):
             if r.adaptive and r.max_num_drafts > 0:
                 waiting.setdefault(r.mode, []).append(i)
@@ -415,17 +441,23 @@ class DraftLengthPlanner:
                 self._idle_plans[mode] = 0  # some sequence drafts the deepest allowed: every position is judged
                 continue
             self._idle_plans[mode] = self._idle_plans.get(mode, 0) + 1
-            backoff = self._backoff.get(mode, 1)
-            if self._idle_plans[mode] < explore_wait(len(call)) * backoff:
+            wait = explore_wait(len(call)) * self._backoff.get(mode, 1)
+            if self._idle_plans[mode] < wait:
                 if not any(num_drafts):
                     self._idle_plans[mode] += steps - 1  # the call's further plain rounds
+                if self._idle_plans[mode] + 1 >= wait:
+                    explores_next.add(mode)
+                continue
+            deepest = max(short, key=lambda i: (num_drafts[i], call[i].primed))
+            if num_drafts[deepest] == 0 and not call[deepest].primed:
+                explores_next.add(mode)  # its anchor first: the wait has run out, so next plan explores
                 continue
             self._idle_plans[mode] = 0
-            deepest = max(short, key=lambda i: num_drafts[i])
             if num_drafts[deepest] == 0:
                 self._follow_ups[mode] = call[deepest].seq_id
-                self._backoff[mode] = min(EXPLORE_BACKOFF, 2 * backoff)
+                self._backoff[mode] = min(EXPLORE_BACKOFF, 2 * self._backoff.get(mode, 1))
             num_drafts[deepest] += 1
+        return explores_next
 
 
 def _caps(modes: list[str], top: dict[str, int]) -> Iterable[tuple[int, ...]]:

@@ -69,6 +69,7 @@ class SequenceDriver:
         self.adaptive = adaptive and mode != "none"  # the scheduler picks each round's drafts (<= num_drafts)
         self.round_num_drafts = num_drafts  # this round's draft count, as the scheduler chose it
         self.round_steps = 1            # plain rounds this round's target call may run (no drafts only)
+        self.round_anchor = True        # this round's target call brings back the anchor (the plan's choice)
         self.local_proposer, self.remote_proposer = local_proposer, remote_proposer
         self.stats = SpeculativeStats(mode=mode)
         self.prefilled = False
@@ -127,6 +128,13 @@ class SequenceDriver:
     def ending(self) -> bool:
         """The next round can commit one token at most: the request's budget ends with it."""
         return self.prefilled and tokens_left(self.state) <= 1
+
+    @property
+    def primed(self) -> bool:
+        """Its proposer could draft this round: it takes nothing from the target, or the
+        last target call brought back the anchor it starts from (a plan asks for anchors
+        only where the next round may draft: ``DraftLengthPlanner.plan``)."""
+        return not self.remote_proposer or not self.needs.takes_anchor or self.anchor is not None
 
     @property
     def proposer_cold(self) -> bool:
@@ -197,14 +205,17 @@ class SequenceDriver:
         for that many plain rounds back to back (it feeds its own tokens), within the
         request's budget."""
         steps = min(self.round_steps, tokens_left(self.state)) if self.round_steps > 1 and not self._drafts else 1
-        return VerifyItem(self.seq_id, list(self._drafts), self._probs, steps)
+        return VerifyItem(self.seq_id, list(self._drafts), self._probs, steps,
+                          anchor=self.round_anchor or not self.needs.takes_anchor)
 
     # -- what came back ------------------------------------------------------------------
     def complete(self, outcome: RoundOutcome, anchor: Any, more: Sequence[RoundOutcome] = ()) -> list[VerifiedRound]:
         """Commit a round's (or the prefill's) outcome, then the plain rounds that followed
         it in the same target call (``more``), until the request finishes; returns what
-        each verify round did (nothing for a prefill or a resume), for the metrics."""
-        self.anchor = anchor
+        each verify round did (nothing for a prefill or a resume), for the metrics.
+        ``anchor``: what the proposer starts from next, or an empty one (or None) where
+        the call brought none back."""
+        self.anchor = None if anchor is None or (isinstance(anchor, Anchor) and anchor.empty) else anchor
         if self.resuming:
             self.resuming = False
             return []

@@ -73,6 +73,8 @@ class VerifyItem:
     drafts: list[int]
     probs: Any = None            # draft distribution [k, V] (or an object-store reference to it)
     steps: int = 1               # plain rounds to run back to back (no drafts): ``_more_steps``
+    anchor: bool = True          # bring back the anchor the proposer starts from next (False: the caller's
+                                 # plan drafts nothing for it next round; on the server it would cost a put)
 
 
 @dataclass(frozen=True)
@@ -202,6 +204,7 @@ class TargetWorker:
     # -- verify --------------------------------------------------------------------------
     def _verify(self, items: list[VerifyItem]) -> list[TargetResult]:
         known = [i for i in items if i.seq_id in self._seqs]
+        wanted = {i.seq_id: i.anchor for i in known}
         results = {i.seq_id: TargetResult(i.seq_id, None, error="sequence is not on this target replica",
                                           unknown_sequence=True) for i in items if i.seq_id not in self._seqs}
         outcomes = self._rounds(known, self._feed_grouped)
@@ -209,7 +212,8 @@ class TargetWorker:
                                  and not isinstance(outcomes[i.seq_id], Exception)], outcomes)
         for seq_id, outcome in outcomes.items():
             results[seq_id] = (TargetResult(seq_id, None, error=_describe(outcome)) if isinstance(outcome, Exception)
-                               else self._result(seq_id, self._seqs[seq_id], outcome, more.get(seq_id, ())))
+                               else self._result(seq_id, self._seqs[seq_id], outcome, more.get(seq_id, ()),
+                                                 wanted[seq_id]))
         return [results[i.seq_id] for i in items]
 
     def _rounds(self, items: list[VerifyItem], feed) -> dict[Hashable, RoundOutcome | Exception]:
@@ -276,13 +280,14 @@ class TargetWorker:
         return outputs
 
     def _result(self, seq_id: Hashable, seq: _TargetSequence, outcome: RoundOutcome,
-                more: Sequence[RoundOutcome] = ()) -> TargetResult:
+                more: Sequence[RoundOutcome] = (), anchor_wanted: bool = True) -> TargetResult:
         """The call's result for a sequence, with the anchor its proposer starts from next:
         the last round's (after ``more`` plain rounds, theirs), on the first outcome -- where
         callers look, by reference on the server -- with the shared-KV slices the proposer
-        reads (after the rewind); the further rounds carry none."""
-        anchor = (more[-1] if more else outcome).anchor
-        if seq.needs.shared_kv_layers:
+        reads (after the rewind); the further rounds carry none, and neither does the first
+        where the caller did not ask for it."""
+        anchor = (more[-1] if more else outcome).anchor if anchor_wanted else Anchor()
+        if anchor_wanted and seq.needs.shared_kv_layers:
             anchor = dataclasses.replace(anchor, shared_kv=shared_kv_slices(self.target.cache, seq_id,
                                                                             seq.needs.shared_kv_layers))
         if anchor is not outcome.anchor:

@@ -45,6 +45,10 @@ class Anchor:
     layers: tuple[np.ndarray, ...] | None = None
     shared_kv: tuple[SharedKvSlice, ...] | None = None  # slices of the bound target layers (shared_kv mode)
 
+    @property
+    def empty(self) -> bool:
+        return self.final is None and self.layers is None and self.shared_kv is None
+
     @classmethod
     def from_output(cls, out: SequenceOutput, row: int, needs: Needs) -> "Anchor":
         final = out.extras[needs.final_hidden][row] if needs.final_hidden else None

@@ -143,5 +143,10 @@ class Needs:
     layer_hiddens: tuple[str, ...] = ()               # target output names, low/mid/high in order
     shared_kv_layers: dict[str, int] = field(default_factory=dict)  # group -> bound target layer
 
+    @property
+    def takes_anchor(self) -> bool:
+        """Whether the proposer starts each round from the target's anchor (a head)."""
+        return bool(self.final_hidden or self.layer_hiddens or self.shared_kv_layers)
+
 
 NO_NEEDS = Needs()  # target-only decoding and model-free proposers take nothing from the target
