@@ -21,21 +21,19 @@ DEFAULT_LOGICAL_CPUS = 8  # fractional deployments on a 2-core machine: logical,
 
 
 def start_local_ray(num_cpus: int = DEFAULT_LOGICAL_CPUS, dashboard: bool = False, quiet: bool = True,
-                    metrics_port: int | None = None, metrics_report_interval_ms: int | None = None) -> dict:
+                    metrics_report_interval_ms: int | None = None) -> dict:
     """Start a local Ray head in this process (127.0.0.1 only) unless one is running.
 
-    ``metrics_port`` fixes where Ray serves Prometheus metrics (``/metrics``);
-    ``metrics_report_interval_ms`` shortens how often workers report them (tests)."""
+    ``metrics_report_interval_ms`` shortens how often workers report metrics (tests)."""
     import ray
 
     if ray.is_initialized():
         return {"dashboard_url": ""}
     if metrics_report_interval_ms is not None:  # read by the raylet and workers at start-up
         os.environ["RAY_metrics_report_interval_ms"] = str(metrics_report_interval_ms)
-    extra = {"_metrics_export_port": metrics_port} if metrics_port else {}
     context = ray.init(num_cpus=num_cpus, num_gpus=_visible_gpus(), include_dashboard=dashboard,
                        dashboard_host=LOCAL_HOST, logging_level=logging.WARNING if quiet else logging.INFO,
-                       log_to_driver=not quiet, _node_ip_address=LOCAL_HOST, **extra)
+                       log_to_driver=not quiet, _node_ip_address=LOCAL_HOST)
     return {"dashboard_url": getattr(context, "dashboard_url", None) or ""}
 
 

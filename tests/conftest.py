@@ -140,6 +140,16 @@ def running_server(args: dict | None = None, env: dict[str, str] | None = None, 
         ray.shutdown()
 
 
+def local_metrics_url() -> str:
+    """Where the running local Ray serves Prometheus metrics. Ray picks the port as it
+    starts its processes: a port picked here beforehand can be taken by one of Ray's own
+    connections before its metrics agent binds it, and the node then never starts."""
+    import ray
+
+    (node,) = [node for node in ray.nodes() if node["Alive"]]
+    return f"http://127.0.0.1:{node['MetricsExportPort']}/metrics"
+
+
 def generate_concurrently(engine: Engine, jobs) -> list:
     """One thread per (prompt, options[, on_token]); each job's result, or the exception
     it raised (None if it never returned)."""

@@ -16,22 +16,21 @@ import pytest
 
 from engine import GenerationOptions
 
-from .conftest import free_port, running_server
+from .conftest import local_metrics_url, running_server
 
 NEW_TOKENS = 160
 
 
 @pytest.fixture(scope="module")
-def metrics_url() -> str:
-    return f"http://127.0.0.1:{free_port()}/metrics"
+def server():
+    with running_server({"engine": {"scheduler": {"proposer_timeout_s": 2.0}}},
+                        metrics_report_interval_ms=500) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
-def server(metrics_url):
-    port = int(metrics_url.rsplit(":", 1)[1].split("/")[0])
-    with running_server({"engine": {"scheduler": {"proposer_timeout_s": 2.0}}}, metrics_port=port,
-                        metrics_report_interval_ms=500) as url:
-        yield url
+def metrics_url(server) -> str:
+    return local_metrics_url()
 
 
 def _handle(name: str):

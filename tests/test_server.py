@@ -21,7 +21,7 @@ import pytest
 
 from engine import GenerationOptions
 
-from .conftest import free_port, running_server, stream_chat
+from .conftest import local_metrics_url, running_server, stream_chat
 
 MODES = ("none", "prompt_lookup", "draft_model", "mtp", "eagle3", "shared_kv")
 MAX_TOKENS = 24
@@ -34,17 +34,16 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
-def metrics_url() -> str:
-    return f"http://127.0.0.1:{free_port()}/metrics"
+def server():
+    # stream_interval 2: every stream here also checks that grouped writes lose and reorder nothing
+    with running_server({"stream_interval": 2}, env={"SPECSERVE_API_KEY": API_KEY},
+                        metrics_report_interval_ms=500) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
-def server(metrics_url):
-    port = int(metrics_url.rsplit(":", 1)[1].split("/")[0])
-    # stream_interval 2: every stream here also checks that grouped writes lose and reorder nothing
-    with running_server({"stream_interval": 2}, env={"SPECSERVE_API_KEY": API_KEY}, metrics_port=port,
-                        metrics_report_interval_ms=500) as url:
-        yield url
+def metrics_url(server) -> str:
+    return local_metrics_url()
 
 
 @pytest.fixture(scope="module")
