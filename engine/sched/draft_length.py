@@ -248,12 +248,11 @@ class DraftLengthPlanner:
                 self.lookups.record(r.seq_id, r.mode, r.max_num_drafts)
         if all(r.adaptive and r.max_num_drafts == 0 and not r.ending for r in call):
             # the plan _best would make: nothing to verify, a plain round -- or several (``_lookup_pause``)
-            return RoundPlan([0] * len(call), self._lookup_pause(call), [not r.adaptive for r in call])
+            return RoundPlan([0] * len(call), self._lookup_pause(call), [False] * len(call))
         num_drafts, steps = self._held_or_planned(call)
         explores_next = self._explore(call, num_drafts, steps)
         priming = [n > 0 and not r.primed for n, r in zip(num_drafts, call)]
-        for i in (i for i, p in enumerate(priming) if p):
-            num_drafts[i] = 0
+        num_drafts = [0 if p else n for n, p in zip(num_drafts, priming)]
         anchors = [n > 0 or p or not r.adaptive or r.mode in explores_next
                    for n, p, r in zip(num_drafts, priming, call)]
         # exploring may have added a draft; a priming request drafts next round
