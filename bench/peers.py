@@ -4,8 +4,11 @@ GGUF, batch 1, in one run, interleaved; then concurrency in-process and through 
     bash bench/peer/setup.sh --real          # once: .venv-peer with llama.cpp, onnxruntime-genai, transformers
     .venv/bin/python bench/peers.py [--prompts 10] [--new-tokens 64] [--threads 2] [--record docs/benchmarks]
 
-Contestants: specserve in-process in every mode the bundle serves, adaptive speculation
-on (as served) and pinned at k = 4 drafts a round (where tau and the bound are read), and, each in its own process in ``.venv-peer`` (``bench/peer/peer_worker.py``):
+Contestants: specserve in-process in every mode the bundle serves, in the default (exact)
+format, adaptive speculation on (as served) and pinned at k = 4 drafts a round (where tau
+and the bound are read); specserve in the fast format (its own engine,
+``target_format="fast"``), target-only and every mode adaptive; and, each in its own
+process in ``.venv-peer`` (``bench/peer/peer_worker.py``):
 llama.cpp greedy on the GGUF itself and with its prompt-lookup drafter (4 drafts),
 onnxruntime-genai greedy on its builder's int4 and fp32 graphs of the Hugging Face export,
 and transformers' float32 greedy. Every contestant decodes exactly ``--new-tokens`` tokens
@@ -46,6 +49,7 @@ PEERS = {  # name -> (worker kind, model path)
     "transformers fp32": ("transformers", PEER_CACHE / "smollm2-hf"),
 }
 REFERENCE = "transformers fp32"
+FAST = "specserve fast"  # the fast format's contestants: "specserve fast <mode>"
 
 
 @dataclass
@@ -120,6 +124,7 @@ def main() -> None:
 def run(args: argparse.Namespace) -> None:
     chats = [p["messages"] for p in json.loads((ROOT / "tests/data/heldout_chat_prompts.json").read_text())]
     engine = Engine(DEFAULT_MODEL_DIR, EngineConfig(device="cpu", intra_op_threads=args.threads))
+    fast = Engine(DEFAULT_MODEL_DIR, EngineConfig(device="cpu", intra_op_threads=args.threads, target_format="fast"))
     template = ChatTemplate.from_model_dir(engine.bundle.target_dir)
     prompts = [engine.tokenizer.encode(template.render(c)) for c in chats[: args.prompts]]
     tallies: dict[str, Tally] = {}
@@ -130,6 +135,10 @@ def run(args: argparse.Namespace) -> None:
             name = f"specserve {mode}" + ("" if mode == "none" else " (adaptive)" if adaptive else f" (k={drafts})")
             tallies[name] = Tally()
             contestants[name] = specserve_contestant(engine, mode, adaptive, tallies[name], args.new_tokens)
+    for mode in fast.available_modes:
+        name = f"{FAST} {mode}" + ("" if mode == "none" else " (adaptive)")
+        tallies[name] = Tally()
+        contestants[name] = specserve_contestant(fast, mode, True, tallies[name], args.new_tokens)
     peers: dict[str, PeerProcess] = {}
     if not args.no_peers:
         for name, (kind, model) in PEERS.items():
@@ -151,6 +160,7 @@ def run(args: argparse.Namespace) -> None:
     finally:
         for peer in peers.values():
             peer.close()
+        fast.close()
     report(args, engine, tallies, peers)
     if args.concurrency:
         concurrency(args, engine, [template.render(c) for c in chats])
@@ -160,14 +170,22 @@ def run(args: argparse.Namespace) -> None:
 def report(args, engine: Engine, tallies: dict[str, Tally], peers: dict[str, PeerProcess]) -> None:
     base = tallies["specserve none"].tokens_per_s
     reference = tallies.get(REFERENCE)
-    print(f"SmolLM2-135M-Instruct, batch 1, {args.threads} threads, {len(tallies['specserve none'].outputs)} held-out "
+    print(f"SmolLM2-135M-Instruct (specserve's default format: {engine.target.family.name}; '{FAST}': the fast "
+          f"format), batch 1, "
+          f"{args.threads} threads, {len(tallies['specserve none'].outputs)} held-out "
           f"chat prompts x {args.new_tokens} new tokens (EOS ignored), greedy; tokens/s include prefill, exclude "
           "each contestant's one warm-up request; contestants interleaved prompt by prompt")
     for name, peer in peers.items():
         print(f"  {name}: {peer.version}")
-    ours = {name: t.outputs for name, t in tallies.items() if name.startswith("specserve ")}
-    same = all(outputs == ours["specserve none"] for outputs in ours.values())
-    print(f"  every specserve mode token-identical to specserve target-only: {'yes' if same else 'NO'}")
+    for prefix, base_name in (("specserve ", "specserve none"), (f"{FAST} ", f"{FAST} none")):
+        ours = {name: t.outputs for name, t in tallies.items()
+                if name.startswith(prefix) and name.startswith(FAST) == prefix.startswith(FAST)}
+        same = all(outputs == ours[base_name] for outputs in ours.values())
+        print(f"  every {prefix.strip()} mode token-identical to its target-only: {'yes' if same else 'NO'}")
+    for ours_name, theirs in (("specserve none", "llama.cpp greedy"), (f"{FAST} none", "onnxruntime-genai int4"),
+                              (f"{FAST} none", "llama.cpp greedy"), (f"{FAST} none", "specserve none")):
+        if theirs in tallies:
+            print(f"  {ours_name} / {theirs}: {tallies[ours_name].tokens_per_s / tallies[theirs].tokens_per_s:.2f}x")
     print()
     print("| contestant | tokens/s | specserve target-only / it | identical to transformers (48 tokens) | tau | bound |")
     print("|---|---|---|---|---|---|")
@@ -176,7 +194,7 @@ def report(args, engine: Engine, tallies: dict[str, Tally], peers: dict[str, Pee
         same = (f"{sum(a[:IDENTITY_TOKENS] == b[:IDENTITY_TOKENS] for a, b in zip(tally.outputs, reference.outputs))}"
                 f"/{len(tally.outputs)}") if reference else "-"
         tau = limit = "-"
-        mode = name.removeprefix("specserve ").split(" ")[0]
+        mode = name.removeprefix(f"{FAST} ").removeprefix("specserve ").split(" ")[0]
         if name.startswith("specserve ") and mode != "none" and tally.rounds:
             t = tally.committed / tally.rounds
             tau = f"{t:.2f}"

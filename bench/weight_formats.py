@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> None:
         graphs: dict[str, Graphs] = {}
         for name, (weight_format, level) in CANDIDATES.items():
             out = Path(scratch) / name.replace(" ", "_")
-            convert_gguf(gguf, out, weight_format, level, step_format=None, progress=lambda _: None)
+            convert_gguf(gguf, out, weight_format, level, step_format=None, fast=False, progress=lambda _: None)
             graphs[name] = Graphs(out / "target", args.threads, args.past)
         from engine.model.chat import ChatTemplate
         from engine.model.tokenizer import TextTokenizer

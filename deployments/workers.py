@@ -120,7 +120,8 @@ class TargetStepper:
 
     def __init__(self, target_dir: str, engine_config: dict) -> None:
         config = worker_config(engine_config)
-        self.decoder = CachedDecoder(Path(target_dir), config, owns_cores=False)
+        self.decoder = CachedDecoder(Path(target_dir), config, owns_cores=False,
+                                     graph_format=config.target_format)
         self.worker = TargetWorker(self.decoder)
         self.worker.grammars()  # read the vocabulary for grammars now, not in a constrained request's tick
         # Time verify passes before taking sequences (adaptive speculation plans with them;

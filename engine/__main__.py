@@ -55,6 +55,9 @@ def _add_common(gen: argparse.ArgumentParser) -> None:
     shape.add_argument("--choice", action="append", default=None, help="the output must be one of these (repeatable)")
     gen.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     gen.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
+    gen.add_argument("--target-format", choices=["exact", "fast"], default="exact",
+                     help="the target's format (docs/models.md): fast = int8 activations, lossless at any batch; "
+                          "exact = the file's weights in float32")
     gen.add_argument("--no-stream", action="store_true", help="print the text only when finished")
 
 
@@ -81,9 +84,13 @@ def generate(args: argparse.Namespace) -> int:
         # Load only the proposer this run uses: start-up stays fast.
         load = () if args.speculative in ("none", "prompt_lookup") else (args.speculative,)
         engine = Engine(args.model, EngineConfig(device=args.device, intra_op_threads=args.threads,
+                                                 target_format=args.target_format,
                                                  speculative=SpeculativeConfig(load=load)))
     except ValidationError as exc:
         print(f"error: invalid option: {exc}", file=sys.stderr)
+        return 2
+    except EngineError as exc:  # a model that cannot be served as asked (a format it lacks, say)
+        print(f"error: {exc}", file=sys.stderr)
         return 2
 
     def stream(event: TokenEvent) -> None:

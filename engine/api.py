@@ -71,7 +71,7 @@ class Engine:
     def __init__(self, model_dir: str | Path | None = None, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
         target_dir, self.bundle = resolve_model_path(Path(model_dir) if model_dir is not None else default_model_dir())
-        self.target = CachedDecoder(target_dir, config, owns_cores=True)
+        self.target = CachedDecoder(target_dir, config, owns_cores=True, graph_format=config.target_format)
         self.chat_template = ChatTemplate.from_model_dir(target_dir)
         self.proposers: dict[str, LoadedProposer] = self._load_proposers()
         outputs = set(self.target.decoder.io.extra_outputs)

@@ -98,7 +98,7 @@ def is_current(bundle: Path, packaged: PackagedGguf, weight_format: str, step_fo
     except (FileNotFoundError, KeyError, ValueError):
         return False
     files = ("model.onnx", "model.inplace.onnx", "model.onnx.data", "embed_tokens.npy", "lm_head.npy", "tokenizer.json",
-             *(("model.inplace.step.onnx",) if step_format else ()))
+             "model.fast.onnx", "model.fast.inplace.onnx", *(("model.inplace.step.onnx",) if step_format else ()))
     from .from_gguf.convert import served_as
     from .from_gguf.draft import DRAFT_WEIGHTS
 

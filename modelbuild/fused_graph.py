@@ -75,6 +75,19 @@ class _Graph:
         return name
 
 
+def input_norm(g: "_Graph", weights: "WeightSource", prefix: str, residual: str, pending: str | None,
+               hidden: int, eps: float) -> tuple[str, str]:
+    """A layer's input norm: of the residual stream, or (after the first layer) of the
+    stream plus the last layer's pending MLP output, added in the same node. Returns the
+    normalised input and the stream."""
+    norm_w = weights.vector(g, prefix + "input_layernorm.weight", hidden)
+    if pending is None:
+        return g.one("SimplifiedLayerNormalization", [residual, norm_w], axis=-1, epsilon=eps), residual
+    normed, _, _, residual = g.node("SkipSimplifiedLayerNormalization", [pending, residual, norm_w],
+                                    n_out=4, domain=MS, epsilon=eps)
+    return normed, residual
+
+
 class WeightSource(Protocol):
     """Where a decoder graph's weights come from and how each product with them is
     computed: float16 safetensors behind a ``Cast`` (the bundle's own models) or a GGUF's
@@ -190,12 +203,7 @@ def build_fused_decoder(model_dir: Path, out_path: Path, aux_layers: tuple[int, 
     presents: list[str] = []
     for i in range(layers):
         p = f"model.layers.{i}."
-        norm_w = weights.vector(g, p + "input_layernorm.weight", hidden)
-        if pending is None:
-            normed = g.one("SimplifiedLayerNormalization", [residual, norm_w], axis=-1, epsilon=eps)
-        else:
-            normed, _, _, residual = g.node("SkipSimplifiedLayerNormalization", [pending, residual, norm_w],
-                                            n_out=4, domain=MS, epsilon=eps)
+        normed, residual = input_norm(g, weights, p, residual, pending, hidden, eps)
         if i in aux_layers and i > 0:
             aux_outputs[i] = residual
         qkv = weights.linear(g, normed, [p + f"self_attn.{n}_proj.weight" for n in "qkv"],

@@ -70,7 +70,12 @@ def default_model_server() -> str:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # A stable sort: the order within each group stays pytest's own.
-    items.sort(key=lambda item: "default_model_server" in getattr(item, "fixturenames", ()))
+    # The servers last, one at a time: the fast format's, then the default one's.
+    def server_order(item: pytest.Item) -> int:
+        fixtures = getattr(item, "fixturenames", ())
+        return 2 if "default_model_server" in fixtures else 1 if "fast_model_server" in fixtures else 0
+
+    items.sort(key=server_order)
 
 
 @pytest.fixture
@@ -197,3 +202,32 @@ def stream_chat(client, **request):
         finish = choice.finish_reason or finish
         ids += choice.model_extra.get("token_ids") or []
     return content, [calls[i] for i in sorted(calls)], finish, ids
+
+
+def served_every_mode(url: str, engine: Engine, chats: list[list[dict]], streams: int, new_tokens: int) -> None:
+    """Every mode of the default model through the server at ``url``, at one stream and
+    at ``streams`` at once (modes mixed), each reply equal to ``engine``'s target-only
+    one request at a time. Every client call carries a timeout."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from engine import GenerationOptions
+    from engine.model.default_model import DEFAULT_MODEL_NAME
+    from engine.speculative.proposers.registry import PROPOSER_KINDS
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+    options = GenerationOptions(max_new_tokens=new_tokens, temperature=0, speculative_mode="none")
+    expected = [engine.chat(c, options).token_ids for c in chats]
+    modes = ("none", *PROPOSER_KINDS)
+
+    def ask(i: int) -> list[int]:
+        response = client.chat.completions.create(
+            model=DEFAULT_MODEL_NAME, messages=chats[i % len(chats)], max_tokens=new_tokens, temperature=0,
+            extra_body={"speculative_mode": modes[i % len(modes)], "return_token_ids": True})
+        return response.choices[0].model_extra["token_ids"]
+
+    assert [ask(i) for i in range(len(modes))] == [expected[i % len(chats)] for i in range(len(modes))], "one stream"
+    with ThreadPoolExecutor(streams) as pool:
+        got = list(pool.map(ask, range(streams)))
+    assert got == [expected[i % len(chats)] for i in range(streams)], f"{streams} streams"

@@ -28,7 +28,7 @@ from modelbuild.from_gguf.checkpoint import GgufCheckpoint
 from modelbuild.fused_graph import _Graph
 from modelbuild.from_gguf.weights import ExternalData, GgufWeights
 
-from .conftest import CPU_CONFIG
+from .conftest import CPU_CONFIG, served_every_mode
 
 ROOT = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 32
@@ -133,6 +133,12 @@ def test_served_chat_names_the_model_and_matches_the_engine_in_every_mode(served
             assert response.choices[0].model_extra["token_ids"] == expected, mode
 
 
+def test_served_every_mode_at_1_and_32_streams_is_the_engines_target_only(served, default_engine, chats):
+    """The exact format (the default) through the server; the fast format's twin of this
+    test is in test_target_formats.py."""
+    served_every_mode(served, default_engine, chats[:8], streams=32, new_tokens=24)
+
+
 def _first_token(client: openai.OpenAI, messages: list[dict], mode: str) -> tuple[float, list[int], int]:
     """Stream a greedy chat: seconds to the first token, the token ids, the cached tokens."""
     sent = time.perf_counter()
@@ -188,8 +194,8 @@ def test_every_mode_gives_the_same_tokens_cold_warm_and_uncached(served, chats, 
 
 def test_the_convert_command_writes_a_bundle_from_a_gguf_that_the_engine_serves(tmp_path, default_engine):
     """``python -m modelbuild.convert --gguf`` (no torch) on the default model's file, one
-    format throughout: the engine serves the bundle it writes, with target-only's tokens,
-    and refuses by name the modes it has no head for."""
+    format throughout and no fast format: the engine serves the bundle it writes, with
+    target-only's tokens, and refuses by name the modes it has no head for."""
     import subprocess
     import sys
 
@@ -198,9 +204,9 @@ def test_the_convert_command_writes_a_bundle_from_a_gguf_that_the_engine_serves(
 
     out = tmp_path / "bundle"
     run = subprocess.run([sys.executable, "-m", "modelbuild.convert", "--gguf", str(cached_gguf()), "--out", str(out),
-                          "--step-format", "none"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                          "--step-format", "none", "--no-fast"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert not (out / "target/model.inplace.step.onnx").exists()
+    assert not (out / "target/model.inplace.step.onnx").exists() and not (out / "target/model.fast.onnx").exists()
     options = GenerationOptions(max_new_tokens=12, temperature=0)
     with Engine(out, EngineConfig(device="cpu", intra_op_threads=2)) as engine:
         assert engine.chat(CAPITAL, options).token_ids == default_engine.chat(CAPITAL, options).token_ids

@@ -6,6 +6,7 @@ batch 1 run on the model's in-place twin where it has one (``engine.model.in_pla
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Hashable, Sequence
@@ -15,11 +16,15 @@ import numpy as np
 from engine.errors import ModelLoadError
 from engine.kv.batch_layout import BatchLayouts
 from engine.kv.paged_cache import KVCacheCapacityError, PagedKVCache
+from engine.model.graph_family import EXACT, GraphFamily, TargetFormat, graph_family
 from engine.model.in_place import InPlaceDecoder, KVBuffer, buffer_capacity
 from engine.model.onnx_model import OnnxDecoder, configured_eos_token_ids
 from engine.config import EngineConfig
 from engine.model.probe import check_finite
+from engine.model.row_buffers import RowBuffers
 from engine.model.tokenizer import TextTokenizer, encode_prompt
+
+log = logging.getLogger("specserve.engine")
 
 
 def model_eos_token_ids(model_dir: str | Path, tokenizer: TextTokenizer) -> tuple[int, ...]:
@@ -44,13 +49,17 @@ class SequenceOutput:
 class CachedDecoder:
     """A decoder, its tokenizer and a paged KV cache sized for it, checked to agree."""
 
-    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, owns_cores: bool = True) -> None:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, owns_cores: bool = True,
+                 graph_format: TargetFormat = "exact") -> None:
         """``owns_cores``: the process runs only this engine (in-process) rather than one
-        Ray replica among several; it decides ``thread_spinning="auto"``."""
+        Ray replica among several; it decides ``thread_spinning="auto"``. ``graph_format``:
+        the graph family to serve (``engine.model.graph_family``); the target's comes from
+        ``EngineConfig.target_format``."""
         self.config = config or EngineConfig()
         spinning = self.config.spinning(owns_cores)
+        self.family: GraphFamily = graph_family(Path(model_dir), graph_format)
         self.decoder = OnnxDecoder(model_dir, self.config.device, self.config.intra_op_threads,
-                                   thread_spinning=spinning)
+                                   onnx_file=self.family.standard, thread_spinning=spinning)
         self.tokenizer = TextTokenizer(model_dir)
         vocab = self.decoder.vocab_size
         if self.tokenizer.vocab_size > vocab:
@@ -69,7 +78,7 @@ class CachedDecoder:
                                   dtype=self.decoder.kv_dtype, sliding_window=self.config.sliding_window,
                                   sink_tokens=self.config.sink_tokens, prefix_caching=self.config.caches_prefixes)
         self.batch_layouts = BatchLayouts(self.cache)
-        self.in_place = None  # the batch-1 twin, where the model has one and the cache allows it
+        self.in_place = None  # the batch-1 twin (any batch in a row-invariant family), where it serves
         # Whether this decoder's sessions keep a thread pool spinning after each run.
         self._pools_spin = spinning == "always" and self.config.intra_op_threads != 1
         if self.config.in_place_kv and self.config.sliding_window is None:
@@ -77,8 +86,32 @@ class CachedDecoder:
             # Several twin threads that sleep between ops wake for every op, which is slower
             # than spinning: where they would, they spin within a run instead.
             spins = spinning != "never" or (self.config.in_place_threads or 1) > 1
-            self.in_place = InPlaceDecoder.load(self.decoder, threads, spins)
+            directory = Path(model_dir)
+            self.in_place = InPlaceDecoder.load(
+                self.decoder, threads, spins, path=directory / self.family.in_place,
+                step_path=directory / self.family.step if self.family.step else None,
+                batched=self.family.row_invariant)
+        if self.family.row_invariant and not self._rows_invariant():
+            self.family = EXACT
+            self.decoder = OnnxDecoder(model_dir, self.config.device, self.config.intra_op_threads,
+                                       onnx_file=EXACT.standard, thread_spinning=spinning)
+            self.in_place = InPlaceDecoder.load(self.decoder, threads, spins) if self.in_place is not None else None
+        self.row_buffers = (RowBuffers(self.cache, self.in_place, self.max_context)
+                            if self.in_place is not None and self.in_place.batched else None)
         self.buffers_made = 0  # in-place buffers allocated (a sequence's first, or one that grew or was copied)
+
+    def _rows_invariant(self) -> bool:
+        """Whether this machine computes the fast family's rows alike at every width and
+        batch (checked once, at load; MLAS picks kernels by CPU). Where it does not, the
+        exact family serves instead, and the log says why."""
+        if self.in_place is None:
+            return True  # no in-place graph: the standard graph serves batch 1 only (CUDA, a window)
+        difference = self.in_place.row_invariance()
+        if difference:
+            log.warning("%s: this CPU computes a row differently at different widths or batches (max |logit "
+                        "difference| %.2e), so the fast format would not be lossless here; serving the exact "
+                        "format instead", self.in_place.path, difference)
+        return difference == 0.0
 
     def feed(self, seq_id, tokens: Sequence[int], first_position: int) -> SequenceOutput:
         """Run ``tokens`` after one sequence's cached past; see ``feed_batch``."""
@@ -111,6 +144,8 @@ class CachedDecoder:
         # and a sliding window evicts from the middle: those gather from the pools every call.
         session_layout = self.decoder.io.position_ids is not None and self.cache.sliding_window is None
         if session_layout and len(requests) > 1:
+            if self.row_buffers is not None and all(r.first_position == self.cache.length(r.seq_id) for r in requests):
+                return self._feed_rows(requests)
             return self._feed_batched(requests)
         if session_layout and self._twin_serves(requests[0]):
             return [self._feed_in_place(requests[0])]
@@ -167,7 +202,7 @@ class CachedDecoder:
         prefill on the twin, the next verify -- the two fight over them (docs/design-decisions.md
         measures what that costs)."""
         return (self.in_place is not None and request.first_position == self.cache.length(request.seq_id)
-                and (not self._pools_spin or self.cache.sequence_count == 1))
+                and (self.in_place.batched or not self._pools_spin or self.cache.sequence_count == 1))
 
     def _feed_in_place(self, request: FeedRequest) -> SequenceOutput:
         """``feed_batch`` at batch 1 on the in-place twin: the new tokens' KV lands in the
@@ -224,6 +259,26 @@ class CachedDecoder:
         self.batch_layouts.remember(arrangement, seq_ids, out.presents)
         return [SequenceOutput(out.logits[row, :n], {name: value[row, :n] for name, value in out.extras.items()})
                 for row, n in zip(arrangement.row_of, new_lens)]
+
+    def _feed_rows(self, requests: Sequence[FeedRequest]) -> list[SequenceOutput]:
+        """``feed_batch`` at batch > 1 in a row-invariant family: one in-place call over a
+        batch buffer, each sequence in its own row (``engine.model.row_buffers``)."""
+        assert self.row_buffers is not None
+        seq_ids = [r.seq_id for r in requests]
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"a sequence may appear once per batch, got {seq_ids}")
+        call = self.row_buffers.arrange(seq_ids, max(len(r.tokens) for r in requests))
+        try:
+            logits, extras = self.row_buffers.run(call, [r.tokens for r in requests])
+        except BaseException:
+            self.row_buffers.forget(call)
+            raise
+        outputs = []
+        for index, (r, row) in enumerate(zip(requests, call.row_of)):
+            n = len(r.tokens)
+            self.cache.append_in_buffer(r.seq_id, self.row_buffers.row_buffer(call, index), int(call.lengths[row]) + n)
+            outputs.append(SequenceOutput(logits[row, :n], {name: value[row, :n] for name, value in extras.items()}))
+        return outputs
 
     def probe(self) -> None:
         """Run the real session on one token (no past) and check the logits are finite."""

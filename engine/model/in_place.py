@@ -43,13 +43,15 @@ log = logging.getLogger("specserve.engine")
 class KVBuffer:
     """One sequence's past for the twin: per layer ``[1, kv_heads, capacity, head_dim]``,
     slots ``[0, length)`` real (the cache knows ``length``); the same memory is bound as
-    the session's past and present, so runs write into it."""
+    the session's past and present, so runs write into it. The arrays may be one row of a
+    batch's buffer (``engine.model.row_buffers``): they are views then, and the binding
+    is made at the first batch-1 run."""
 
     keys: list[np.ndarray]
     values: list[np.ndarray]
-    binding: ort.IOBinding
-    _ort_values: list[ort.OrtValue]  # must outlive the binding that points at their memory
     mask: np.ndarray  # [1, capacity] ones: each run binds a prefix of it as its attention mask
+    binding: ort.IOBinding | None = None  # bound at the first run on this buffer
+    _ort_values: list[ort.OrtValue] = field(default_factory=list)  # must outlive the binding over their memory
     # New-token count -> the input_ids array a run of that width writes its tokens into
     # (onnxruntime reads the bound memory) and its preallocated outputs (arrays and the
     # OrtValues over them): bound when the width changes, so no call allocates them.
@@ -73,8 +75,12 @@ class InPlaceDecoder:
     """The twin's session, and buffers bound to it."""
 
     def __init__(self, standard: OnnxDecoder, path: Path, intra_op_threads: int | None,
-                 thread_spinning: bool) -> None:
+                 thread_spinning: bool, batched: bool = False) -> None:
         self.standard = standard
+        self.path = path
+        # Whether the graph also serves batches (a row-invariant family's, one buffer row per
+        # sequence: ``engine.model.row_buffers``), not batch 1 only.
+        self.batched = batched
         self.session = self._session(path, intra_op_threads, thread_spinning)
         self.step_session: ort.InferenceSession | None = None  # single-token calls, where there is a step twin
         io = standard.io
@@ -96,20 +102,23 @@ class InPlaceDecoder:
         return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
     @classmethod
-    def load(cls, standard: OnnxDecoder, intra_op_threads: int | None, thread_spinning: bool
+    def load(cls, standard: OnnxDecoder, intra_op_threads: int | None, thread_spinning: bool,
+             path: Path | None = None, step_path: Path | None = None, batched: bool = False
              ) -> "InPlaceDecoder | None":
-        """The twin beside ``standard``'s graph, or None where there is none or it cannot
-        serve: not on CPU, a graph that derives positions from the mask, names or outputs
-        that differ, or a first run that disagrees with the standard graph (a stale twin;
-        the standard graph then serves every call, which is slower, never wrong)."""
-        path = standard.model_dir / IN_PLACE_FILE
+        """The twin beside ``standard``'s graph (``path``, default ``IN_PLACE_FILE``; the
+        single-token twin ``step_path``, default ``STEP_FILE``), or None where there is
+        none or it cannot serve: not on CPU, a graph that derives positions from the mask,
+        names or outputs that differ, or a first run that disagrees with the standard
+        graph (a stale twin; the standard graph then serves every call, which is slower,
+        never wrong). ``batched``: the twin serves batches too (a row-invariant family)."""
+        path = path or standard.model_dir / IN_PLACE_FILE
         if not path.is_file():
             return None
         if standard.session.get_providers()[0] != "CPUExecutionProvider" or standard.io.position_ids is None:
             log.info("%s not used: the in-place twin serves CPU sessions of graphs with position_ids", path)
             return None
         try:
-            twin = cls(standard, path, intra_op_threads, thread_spinning)
+            twin = cls(standard, path, intra_op_threads, thread_spinning, batched)
         except (ort.capi.onnxruntime_pybind11_state.Fail, ort.capi.onnxruntime_pybind11_state.InvalidGraph,
                 ort.capi.onnxruntime_pybind11_state.InvalidProtobuf, KeyError) as exc:
             log.warning("%s not used: onnxruntime cannot load it or it lacks %s's outputs (%s)", path,
@@ -126,7 +135,8 @@ class InPlaceDecoder:
             log.warning("%s not used: its logits differ from %s's by %.2e (a stale twin? rebuild it with "
                         "python -m modelbuild.fused_graph)", path, standard.onnx_path, difference)
             return None
-        twin.add_step_twin(standard.model_dir / STEP_FILE, intra_op_threads, thread_spinning)
+        if not batched:
+            twin.add_step_twin(step_path or standard.model_dir / STEP_FILE, intra_op_threads, thread_spinning)
         return twin
 
     def add_step_twin(self, path: Path, intra_op_threads: int | None, thread_spinning: bool) -> None:
@@ -163,22 +173,75 @@ class InPlaceDecoder:
             length += width
         return float(np.abs(np.concatenate(runs, axis=1) - reference).max())
 
+    def row_invariance(self) -> float:
+        """Max |logit difference| between the same positions computed four ways: one
+        token a call, four in one call, and those four in a batch beside another sequence
+        (in ``row_buffers``' layout). 0.0 where this machine computes a row from that row
+        alone, what a row-invariant family's losslessness rests on (checked once, at load)."""
+        vocab = self.standard.vocab_size
+        ids = (np.arange(1, 13, dtype=np.int64) * 7919 % vocab)[None]
+        other = (np.arange(1, 10, dtype=np.int64) * 104729 % vocab)[None]
+        stepped = self.new_buffer(16)
+        self.run(stepped, 0, ids[:, :8])
+        steps = np.stack([self.run(stepped, 8 + i, ids[:, 8 + i : 9 + i])[0][0, 0] for i in range(4)])  # [4, V]
+        wide = self.new_buffer(16)
+        self.run(wide, 0, ids[:, :8])
+        together = self.run(wide, 8, ids[:, 8:12])[0][0]
+        neighbour = self.new_buffer(16)
+        self.run(neighbour, 0, other[:, :5])
+        keys = [np.concatenate([a[:, :, :16], b[:, :, :16]]) for a, b in zip(stepped.keys, neighbour.keys)]
+        values = [np.concatenate([a[:, :, :16], b[:, :, :16]]) for a, b in zip(stepped.values, neighbour.values)]
+        binding, _kept = self.bind_rows(keys, values)
+        batched = self.run_rows(binding, np.array([8, 5]), np.concatenate([ids[:, 8:12], other[:, 5:9]]))[0][0]
+        return float(max(np.abs(steps - together).max(), np.abs(steps - batched).max()))
+
     def new_buffer(self, capacity: int) -> KVBuffer:
-        """Zeroed buffers, bound once as past and present of every layer (zeros: a slot
-        past ``length`` is never read, but garbage there could be NaN)."""
-        keys, values, ort_values = [], [], []
-        binding = self.session.io_binding()
+        """Zeroed buffers (zeros: a slot past ``length`` is never read, but garbage there
+        could be NaN); bound as past and present at the first run."""
         dtype = self.standard.kv_dtype
-        for geometry in self.standard.layers:
-            shape = (1, geometry.num_kv_heads, capacity, geometry.head_dim)
-            keys.append(np.zeros(shape, dtype))
-            values.append(np.zeros(shape, dtype))
+        shapes = [(1, g.num_kv_heads, capacity, g.head_dim) for g in self.standard.layers]
+        return self.view_buffer([np.zeros(shape, dtype) for shape in shapes], [np.zeros(shape, dtype) for shape in shapes])
+
+    def view_buffer(self, keys: list[np.ndarray], values: list[np.ndarray]) -> KVBuffer:
+        """A buffer over given per-layer ``[1, heads, capacity, dim]`` arrays (contiguous:
+        a row of a batch's buffer is)."""
+        return KVBuffer(keys, values, np.ones((1, keys[0].shape[2]), np.int64))
+
+    def _bind(self, buffer: KVBuffer) -> ort.IOBinding:
+        """Bind the buffer's arrays as past and present of every layer (once)."""
+        buffer.binding, buffer._ort_values = self.bind_rows(buffer.keys, buffer.values)
+        return buffer.binding
+
+    def run_rows(self, binding: ort.IOBinding, lengths: np.ndarray, input_ids: np.ndarray
+                 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """A batched run on a batch buffer bound by ``binding`` (``row_buffers``): row
+        ``r``'s new tokens ``input_ids[r]`` after its first ``lengths[r]`` slots, written
+        there. Returns logits ``[R, S, V]`` and the extra outputs by name."""
+        rows, new = input_ids.shape
+        mask = np.zeros((rows, int(lengths.max()) + new), np.int64)
+        mask[np.arange(mask.shape[1])[None, :] < (lengths + new)[:, None]] = 1
+        binding.bind_cpu_input(self.standard.io.input_ids, np.ascontiguousarray(input_ids, self.standard.ids_dtype))
+        binding.bind_cpu_input(self.standard.io.attention_mask, mask)
+        # Fresh arrays each call (the caller keeps them), bound where the session writes.
+        outputs = [np.empty((rows, new, width), dtype) for width, dtype in self.output_shapes]
+        kept = [ort.OrtValue.ortvalue_from_numpy(array) for array in outputs]
+        for name, value in zip(self.output_names, kept):
+            binding.bind_ortvalue_output(name, value)
+        self.session.run_with_iobinding(binding)
+        self.calls += 1
+        return outputs[0].astype(np.float32, copy=False), dict(zip(self.output_names[1:], outputs[1:]))
+
+    def bind_rows(self, keys: list[np.ndarray], values: list[np.ndarray]) -> tuple[ort.IOBinding, list[ort.OrtValue]]:
+        """A binding of per-layer batch buffers ``[R, heads, capacity, dim]`` as past and
+        present, and the OrtValues over their memory (keep them as long as the binding)."""
+        binding = self.session.io_binding()
+        kept = []
         for array, past, present in zip(keys + values, self.past_names, self.present_names):
             value = ort.OrtValue.ortvalue_from_numpy(array)  # wraps the array's memory, no copy
             binding.bind_ortvalue_input(past, value)
             binding.bind_ortvalue_output(present, value)
-            ort_values.append(value)
-        return KVBuffer(keys, values, binding, ort_values, np.ones((1, capacity), np.int64))
+            kept.append(value)
+        return binding, kept
 
     def run(self, buffer: KVBuffer, length: int, input_ids: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Run ``input_ids [1, S]`` after the buffer's first ``length`` slots; their KV is
@@ -197,7 +260,7 @@ class InPlaceDecoder:
         if new == 1 and self.step_session is not None:
             session, binding = self.step_session, buffer.step_binding or self._bind_step(buffer, ids, outputs)
         else:
-            session, binding = self.session, buffer.binding
+            session, binding = self.session, buffer.binding or self._bind(buffer)
             if buffer.bound_width != new:
                 self._bind_width(binding, ids, outputs)
                 buffer.bound_width = new
@@ -217,6 +280,8 @@ class InPlaceDecoder:
         """The single-token twin's binding of ``buffer``: its past and present are the same
         OrtValues, its input and outputs the buffer's width-1 arrays; bound once."""
         binding = self.step_session.io_binding()
+        if not buffer._ort_values:
+            self._bind(buffer)
         for value, past, present in zip(buffer._ort_values, self.past_names, self.present_names):
             binding.bind_ortvalue_input(past, value)
             binding.bind_ortvalue_output(present, value)

@@ -189,6 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--format", default="fp32", help="--gguf: weight format of every call (fp32, q4_1, int8)")
     parser.add_argument("--step-format", default="q4_1", help="--gguf: weight format of single-token calls at "
                         "batch 1 ('none': the same as --format)")
+    parser.add_argument("--no-fast", action="store_true", help="--gguf: write the exact format only, not the fast "
+                        "one (int8 activations, row-invariant graphs; docs/models.md)")
     args = parser.parse_args(argv)
     if args.out.exists():
         raise SystemExit(f"{args.out} exists; choose a new directory")
@@ -199,7 +201,8 @@ def main(argv: list[str] | None = None) -> None:
             from ..from_gguf.convert import convert_gguf
 
             manifest = convert_gguf(args.gguf, args.out, args.format,
-                                    step_format=None if args.step_format == "none" else args.step_format)
+                                    step_format=None if args.step_format == "none" else args.step_format,
+                                    fast=not args.no_fast)
         else:
             manifest = convert(args)
     except BaseException:

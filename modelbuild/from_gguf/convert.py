@@ -7,7 +7,12 @@
   ``target/model.inplace.step.onnx``, the twin for single-token calls in the format
   fastest there. All three read one ``model.onnx.data``. The default puts the graph and
   twin in float32 and the single-token twin on the file's Q4_1 blocks: exact both ways,
-  and each the fastest exact format for its calls (``docs/models.md``);
+  and each the fastest exact format for its calls (``docs/models.md``). Together they
+  are the *exact* format;
+- ``target/model.fast.onnx`` and ``target/model.fast.inplace.onnx``: the *fast* format
+  (``engine.model.graph_family``), the file's Q4_1 blocks and Q8_0 table computed with
+  int8 activations (accuracy level 4) in ``invariant_graph``'s row-invariant graphs,
+  which make it lossless at any width and batch;
 - ``target/embed_tokens.npy`` (and ``lm_head.npy``: the same file when tied), the float32
   arrays heads use outside their graphs;
 - ``target/config.json``, ``tokenizer.json``, ``tokenizer_config.json`` (chat template, EOS);
@@ -31,13 +36,17 @@ from engine.model.manifest import (MANIFEST_NAME, ArrayEntry, BundleManifest, Co
 from ..convert.target import architecture_of, default_aux_layers
 from engine.model.in_place import STEP_FILE
 
+from engine.model.graph_family import FAST_FILE, FAST_IN_PLACE_FILE
+
 from ..fused_graph import IN_PLACE_FILE, build_fused_decoder, in_place_parity
+from ..invariant_graph import build_invariant_decoder
 from ..weights_file import aux_output_name
 from .checkpoint import GgufCheckpoint, sha256_of
 from .tokenizer import write_tokenizer
 from .weights import DATA_FILE, ExternalData, GgufWeights
 
 FINAL_HIDDEN = "hidden_states"
+FAST_WEIGHTS = "q4_1"  # the file's own blocks; its Q8_0 table as 8-bit MatMulNBits
 TWIN_TOLERANCE = 1e-4  # relative; float32 rounding of the two attention ops measures ~4e-6 on SmolLM2
 
 
@@ -49,10 +58,12 @@ def tool_version() -> str:
 
 def convert_gguf(gguf_path: Path, out: Path, weight_format: str = "fp32", accuracy_level: int = 0,
                  step_format: str | None = "q4_1", source: str | None = None, name: str | None = None,
-                 aux_layers: tuple[int, ...] | None = None, progress: Callable[[str], None] = print) -> BundleManifest:
+                 aux_layers: tuple[int, ...] | None = None, fast: bool = True,
+                 progress: Callable[[str], None] = print) -> BundleManifest:
     """Write the target of bundle ``out`` from ``gguf_path``; returns the manifest saved.
-    ``weight_format`` serves every call, except single-token calls at batch 1 when
-    ``step_format`` names another (None: no single-token twin)."""
+    ``weight_format`` serves every call of the exact format, except single-token calls
+    at batch 1 when ``step_format`` names another (None: no single-token twin);
+    ``fast`` adds the fast format's graphs."""
     started = time.perf_counter()
     step = lambda what: progress(f"[{time.perf_counter() - started:5.1f} s] {what}")  # noqa: E731
     step(f"reading {gguf_path}")
@@ -69,7 +80,8 @@ def convert_gguf(gguf_path: Path, out: Path, weight_format: str = "fp32", accura
     step_format = None if step_format == weight_format else step_format
     store = ExternalData(target / DATA_FILE)
     weights = GgufWeights(checkpoint, store, weight_format, accuracy_level)
-    (target / STEP_FILE).unlink(missing_ok=True)
+    for stale in (STEP_FILE, FAST_FILE, FAST_IN_PLACE_FILE):
+        (target / stale).unlink(missing_ok=True)
     try:
         step(f"writing the {weight_format} graph")
         build_fused_decoder(target, target / "model.onnx", aux, weights=weights)
@@ -79,6 +91,14 @@ def convert_gguf(gguf_path: Path, out: Path, weight_format: str = "fp32", accura
             step(f"writing the single-token twin in {step_format}")
             build_fused_decoder(target, target / STEP_FILE, aux, in_place=True,
                                 weights=GgufWeights(checkpoint, store, step_format))
+        if fast and (config.get("model_type") != "llama" or config.get("rope_scaling")):
+            step("no fast format: its row-invariant graph is written for plain Llama (no rope scaling) only")
+            fast = False
+        if fast:
+            fast_weights = GgufWeights(checkpoint, store, FAST_WEIGHTS, accuracy_level=4)
+            step(f"writing the fast format ({FAST_WEIGHTS}, int8 activations, row-invariant)")
+            build_invariant_decoder(target, target / FAST_FILE, aux, in_place=False, weights=fast_weights)
+            build_invariant_decoder(target, target / FAST_IN_PLACE_FILE, aux, in_place=True, weights=fast_weights)
     finally:
         store.close()
     if weight_format != "int8" and accuracy_level == 0:  # int8 activations round differently in each graph
@@ -101,18 +121,20 @@ def convert_gguf(gguf_path: Path, out: Path, weight_format: str = "fp32", accura
     record = ConversionRecord(
         source=source or gguf_path.name, source_format=f"gguf ({'+'.join(sorted(checkpoint.encodings()))})",
         tool=tool_version(), sha256=digest,
-        notes=served_as(weight_format, accuracy_level, step_format))
+        notes=served_as(weight_format, accuracy_level, step_format, fast))
     manifest = _manifest(out, config, architecture, aux, record, checkpoint, name)
     manifest.save(out)
     step(f"done: {out}")
     return manifest
 
 
-def served_as(weight_format: str, accuracy_level: int = 0, step_format: str | None = "q4_1") -> str:
+def served_as(weight_format: str, accuracy_level: int = 0, step_format: str | None = "q4_1",
+              fast: bool = True) -> str:
     """The manifest's record of the formats (``ConversionRecord.notes``)."""
     level = f", accuracy_level {accuracy_level}" if accuracy_level else ""
     steps = f"; single-token calls at batch 1 as {step_format}" if step_format and step_format != weight_format else ""
-    return f"weights served as {weight_format}{level}{steps}"
+    fast_format = f"; fast format: {FAST_WEIGHTS}, accuracy_level 4, row-invariant graphs" if fast else ""
+    return f"exact format: weights served as {weight_format}{level}{steps}{fast_format}"
 
 
 def _manifest(out: Path, config: dict, architecture, aux: tuple[int, ...], record: ConversionRecord,

@@ -106,7 +106,7 @@ class GgufWeights:
             if tensor.shape != (rows, in_size):
                 raise ValueError(f"{tensor.name}: the file holds {tensor.shape}, the graph needs ({rows}, {in_size})")
         encodings = {t.encoding for t in tensors}
-        label = names[0] if len(names) == 1 else names[0].rsplit(".", 2)[0] + ".qkv"
+        label = names[0] if len(names) == 1 else "+".join(names)
         if self.format == "q4_1" and encodings == {"Q4_1"}:
             return self._q4_1(g, x, label, tensors, in_size, output)
         # 8-bit MatMulNBits has a fast kernel only with int8 activations (accuracy level 4):
@@ -131,6 +131,8 @@ class GgufWeights:
         product = g.one("MatMulNBits", [x, self._init(g, label + ".q4", packed), self._init(g, label + ".s", d.reshape(-1))],
                         domain=MS, K=in_size, N=rows, bits=4, block_size=32, accuracy_level=self.accuracy_level)
         shift = self._init(g, label + ".shift", np.ascontiguousarray((8.0 * d + m).T))  # [K/32, N]
+        if getattr(g, "flat_rows", False):  # x is [rows, K]: the correction adds in as Gemm's C
+            return self._finish(g, "Gemm", [self._block_sums_of(g, x, in_size), shift, product], output, beta=1.0)
         correction = g.one("MatMul", [self._block_sums_of(g, x, in_size), shift])
         return self._finish(g, "Add", [product, correction], output)
 
@@ -159,6 +161,16 @@ class GgufWeights:
         """``x``'s sums over each 32-wide block of its last axis, ``[.., K/32]``; computed
         once per graph and input (q, k and v share theirs, as do gate and up)."""
         key = (id(g), x)
+        if key not in self._block_sums and getattr(g, "flat_rows", False):
+            # Rows [R, K] -> [R, K/32, 32] -> sums over the last axis: computed row by row,
+            # the same bits at any row count (modelbuild.invariant_graph), and no constant
+            # to read (a 0/1 matrix here cost ~1.9 ms a decode step in memory traffic:
+            # docs/models.md, formats).
+            shape, axis = f"row_blocks_of_{in_size}", "sum_last_axis"
+            for name, value in ((shape, [-1, in_size // 32, 32]), (axis, [-1])):
+                if not any(init.name == name for init in g.initializers):
+                    g.const(name, np.array(value, np.int64))
+            self._block_sums[key] = g.one("ReduceSum", [g.one("Reshape", [x, shape]), axis], keepdims=0)
         if key not in self._block_sums:
             blocks = g.one("Reshape", [x, g.const(f"blocks_of_{in_size}_{len(self._block_sums)}",
                                                   np.array([0, 0, in_size // 32, 32], np.int64))])
