@@ -21,8 +21,8 @@ measured right after each target-only run -- on the graph the engine runs at bat
 standard graph. The twin's raw call is also timed right after each single target-only
 request, at that request's mean past, and the median of those per-request ratios printed:
 pairs ~0.1 s apart see the same machine speed. The ratio is taken over the raw calls'
-mean (the engine's per-token time is a mean: its decode time over its tokens) and, as
-earlier sessions reported it, over their median.
+mean (the engine's per-token time is a mean: its decode time over its tokens) and over
+their median (robust to the odd slow run).
 """
 from __future__ import annotations
 
@@ -194,7 +194,7 @@ def paired_twin_ratios(engine: Engine, prompts: list[list[int]], new_tokens: int
 
     Two ratios each: over the raw calls' mean -- like for like, since the engine's figure
     is itself a mean (its decode time over its tokens), and the odd slow run counts on
-    both sides -- and over their median, as earlier sessions reported it."""
+    both sides -- and over their median, which the odd slow run does not move."""
     options = GenerationOptions(max_new_tokens=new_tokens, ignore_eos=True, speculative_mode="none")
     over_mean, over_median = [], []
     for ids in prompts:

@@ -247,13 +247,24 @@ def build_fused_decoder(model_dir: Path, out_path: Path, aux_layers: tuple[int, 
     for j in aux_layers:
         g.nodes.append(helper.make_node("Identity", [aux_outputs[j]], [aux_output_name(j)], name=f"aux_out{j}"))
 
+    return save_decoder(g, out_path, "llama_fused", "specserve.modelbuild.fused_graph", OPSET, in_place, presents,
+                        aux_layers, vocab, hidden, kv_heads, head_dim)
+
+
+def save_decoder(g: _Graph, out_path: Path, graph_name: str, producer: str, opset: int, in_place: bool,
+                 presents: list[str], aux_layers: tuple[int, ...], vocab: int, hidden: int, kv_heads: int,
+                 head_dim: int) -> Path:
+    """Declare a decoder graph's engine I/O around ``g``'s nodes and save it: ``input_ids``,
+    ``attention_mask``, ``position_ids`` unless ``in_place`` (positions are then slot
+    indices), ``past_key_values.*`` in; ``logits``, ``presents``, ``hidden_states`` and the
+    aux layers' states out."""
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
     kv_shape = ["batch", kv_heads, "past_sequence", head_dim]
     inputs = [helper.make_tensor_value_info("input_ids", i64, ["batch", "sequence"]),
               helper.make_tensor_value_info("attention_mask", i64, ["batch", "total_sequence"])]
-    if not in_place:  # the twin's positions are its slot indices
+    if not in_place:
         inputs.append(helper.make_tensor_value_info("position_ids", i64, ["batch", "sequence"]))
-    for i in range(layers):
+    for i in range(len(presents) // 2):
         inputs += [helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", f32, kv_shape) for kind in ("key", "value")]
     outputs = [helper.make_tensor_value_info("logits", f32, ["batch", "sequence", vocab])]
     present_length = "past_sequence" if in_place else "total_sequence"  # in place: the same buffer
@@ -261,9 +272,9 @@ def build_fused_decoder(model_dir: Path, out_path: Path, aux_layers: tuple[int, 
                 for name in presents]
     outputs.append(helper.make_tensor_value_info("hidden_states", f32, ["batch", "sequence", hidden]))
     outputs += [helper.make_tensor_value_info(aux_output_name(j), f32, ["batch", "sequence", hidden]) for j in aux_layers]
-    graph = helper.make_graph(g.nodes, "llama_fused", inputs, outputs, g.initializers)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],
-                              producer_name="specserve.modelbuild.fused_graph")
+    graph = helper.make_graph(g.nodes, graph_name, inputs, outputs, g.initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(MS, 1)],
+                              producer_name=producer)
     model.ir_version = FUSED_IR_VERSION
     onnx.save(model, str(out_path))
     return out_path

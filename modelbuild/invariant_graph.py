@@ -38,10 +38,9 @@ import json
 from pathlib import Path
 
 import numpy as np
-import onnx
 from onnx import TensorProto, helper
 
-from .fused_graph import FUSED_IR_VERSION, MS, HalfSafetensors, WeightSource, _Graph, _rotary_caches, input_norm
+from .fused_graph import MS, HalfSafetensors, WeightSource, _Graph, _rotary_caches, input_norm, save_decoder
 from .weights_file import WEIGHTS_FILE, aux_output_name
 
 OPSET = 24  # TensorScatter, the in-place write
@@ -103,26 +102,8 @@ def build_invariant_decoder(model_dir: Path, out_path: Path, aux_layers: tuple[i
     for j in aux_layers:
         by_sequence(aux_outputs[j], hidden, aux_output_name(j))
 
-    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
-    kv_shape = ["batch", kv_heads, "past_sequence", head_dim]
-    inputs = [helper.make_tensor_value_info("input_ids", i64, ["batch", "sequence"]),
-              helper.make_tensor_value_info("attention_mask", i64, ["batch", "total_sequence"])]
-    if not in_place:
-        inputs.append(helper.make_tensor_value_info("position_ids", i64, ["batch", "sequence"]))
-    for i in range(layers):
-        inputs += [helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", f32, kv_shape) for kind in ("key", "value")]
-    outputs = [helper.make_tensor_value_info("logits", f32, ["batch", "sequence", vocab])]
-    present_length = "past_sequence" if in_place else "total_sequence"
-    outputs += [helper.make_tensor_value_info(name, f32, ["batch", kv_heads, present_length, head_dim])
-                for name in presents]
-    outputs.append(helper.make_tensor_value_info("hidden_states", f32, ["batch", "sequence", hidden]))
-    outputs += [helper.make_tensor_value_info(aux_output_name(j), f32, ["batch", "sequence", hidden]) for j in aux_layers]
-    graph = helper.make_graph(g.nodes, "llama_row_invariant", inputs, outputs, g.initializers)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],
-                              producer_name="specserve.modelbuild.invariant_graph")
-    model.ir_version = FUSED_IR_VERSION
-    onnx.save(model, str(out_path))
-    return out_path
+    return save_decoder(g, out_path, "llama_row_invariant", "specserve.modelbuild.invariant_graph", OPSET, in_place,
+                        presents, aux_layers, vocab, hidden, kv_heads, head_dim)
 
 
 class _Attention:

@@ -679,6 +679,19 @@ class PagedKVCache:
                 if tail:
                     array[0, :, full * self.block_size: s.length] = pool[s.table[full], :, :tail]
 
+    def copy_past_into(self, seq_id: Hashable, keys: Sequence[np.ndarray], values: Sequence[np.ndarray]) -> None:
+        """Copy the retained past into slots ``[0, length)`` of per-layer ``[1, heads, C,
+        dim]`` arrays (a new in-place buffer): from the session copy's live slots where
+        the cache keeps one, else from the pools (``read_into``)."""
+        past = self._get(seq_id).session
+        if past is None:
+            self.read_into(seq_id, keys, values)
+            return
+        length, live = self.length(seq_id), past.live()
+        for layer, (key, value) in enumerate(zip(past.keys, past.values)):
+            keys[layer][:, :, :length] = key[:, :, live]
+            values[layer][:, :, :length] = value[:, :, live]
+
     def kept_session(self, seq_id: Hashable) -> SessionPast | None:
         """The session-layout copy the cache holds for the sequence now (no gather), or
         None; callers compare it by identity to know whether a copy is still current."""

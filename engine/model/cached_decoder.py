@@ -217,13 +217,7 @@ class CachedDecoder:
         buffer = past.buffer if past is not None else None
         if not (isinstance(buffer, KVBuffer) and needed <= buffer.capacity):
             buffer = self.in_place.new_buffer(buffer_capacity(needed, self.max_context))
-            if past is None:  # a prefill (on a cached prefix, or none): its past is in the pools only
-                self.cache.read_into(seq_id, buffer.keys, buffer.values)
-            else:
-                live = past.live()
-                for layer, (key, value) in enumerate(zip(past.keys, past.values)):
-                    buffer.keys[layer][:, :, :length] = key[:, :, live]
-                    buffer.values[layer][:, :, :length] = value[:, :, live]
+            self.cache.copy_past_into(seq_id, buffer.keys, buffer.values)  # a prefill's past is in the pools only
             self.buffers_made += 1
         logits, extras = self.in_place.run(buffer, length, np.asarray([request.tokens]))
         self.cache.append_in_buffer(seq_id, buffer, needed)

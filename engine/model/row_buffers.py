@@ -97,8 +97,8 @@ class RowBuffers:
     def _reuse(self, buffer: RowsBuffer, current: dict[Hashable, int], seq_ids: Sequence[Hashable],
                width: int) -> RowsCall | None:
         """Fit ``seq_ids`` into ``buffer``, or None when a fresh build wastes less."""
-        wanted = set(seq_ids)
-        free = [row for row in range(len(buffer.rows)) if row not in set(current.values())]
+        wanted, taken = set(seq_ids), set(current.values())
+        free = [row for row in range(len(buffer.rows)) if row not in taken]
         newcomers = [seq for seq in seq_ids if seq not in current]
         dummies = len(buffer.rows) - len(seq_ids)
         if len(newcomers) > len(free) or dummies > len(seq_ids) // 4:
@@ -142,15 +142,7 @@ class RowBuffers:
         """Copy ``seq``'s live past into ``row``; the row's views become its buffer."""
         row_buffer = self.decoder.view_buffer([k[row : row + 1] for k in buffer.keys],
                                               [v[row : row + 1] for v in buffer.values])
-        length = self.cache.length(seq)
-        past = self.cache.kept_session(seq)
-        if past is None:  # its past is in the pools only
-            self.cache.read_into(seq, row_buffer.keys, row_buffer.values)
-        else:
-            live = past.live()
-            for layer, (key, value) in enumerate(zip(past.keys, past.values)):
-                row_buffer.keys[layer][:, :, :length] = key[:, :, live]
-                row_buffer.values[layer][:, :, :length] = value[:, :, live]
+        self.cache.copy_past_into(seq, row_buffer.keys, row_buffer.values)
         buffer.rows[row] = (seq, row_buffer)
 
     def run(self, call: RowsCall, tokens: Sequence[Sequence[int]]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
