@@ -468,7 +468,7 @@ def run(args: argparse.Namespace) -> None:
                     for prompt in prompts[:4]:
                         runners[mode][1](prompt)  # warm-up: first calls pay connection and replica start-up costs
                 for n in args.streams:
-                    measure_concurrency(config, n, args, modes, runners, cells, base, prompts, notes)
+                    measure_concurrency(config, n, args, modes, runners, cells, base, prompts, notes, engine)
                     for mode in modes:
                         cell = cells[(config, mode, n)]
                         mismatches += mismatches_of(cell, expected[mode])
@@ -491,14 +491,25 @@ def run(args: argparse.Namespace) -> None:
     report(args, modes, cells, notes, mismatches, engine.config.scheduler.plain_steps)
 
 
+def reset_suffix_caches(engine: Engine, base: str) -> None:
+    """Forget earlier suffix-mode outputs on both sides: a repeat's requests are the same
+    prompts as the last repeat's, and no timed request may draft from its own earlier output."""
+    import httpx
+
+    engine.reset_suffix_cache()
+    httpx.post(f"{base}/reset_suffix_cache", timeout=30).raise_for_status()
+
+
 def measure_concurrency(config: str, streams: int, args: argparse.Namespace, modes: list[str], runners: dict,
-                        cells: dict, base: str, prompts: list[str], notes: list[str]) -> None:
+                        cells: dict, base: str, prompts: list[str], notes: list[str], engine: Engine) -> None:
     """Every mode at one concurrency, in-process and served, ``--repeats`` times. A repeat
     is cut into slices of one request per stream, and every mode and side runs each slice
     in turn, the orders reversed on the next slice: so the machine's drift (this VM's
     speed moves 5-20 % within minutes) falls alike on every mode and on both sides, and a
-    ratio compares runs seconds apart -- a one-stream slice is one request."""
+    ratio compares runs seconds apart -- a one-stream slice is one request. Each repeat
+    starts with empty suffix caches (the warm-ups and the last repeat ran its prompts)."""
     for repeat in range(args.repeats):
+        reset_suffix_caches(engine, base)
         for part in range(requests_per_stream(args, streams)):
             forward = (repeat * requests_per_stream(args, streams) + part) % 2 == 0
             for mode in modes if forward else modes[::-1]:

@@ -97,6 +97,12 @@ class ServeRoundMetrics(RoundMetrics):
             "prefix_cache_queries", "prompt tokens looked up in the prefix cache at admission (vLLM's name)")
         self.cache_hits = metrics.Counter(
             "prefix_cache_hits", "prompt tokens found in the prefix cache: their KV is shared, not computed (vLLM)")
+        self.draft_lookups = metrics.Counter(
+            "specserve_draft_lookups", "lookups of a model-free proposer (prompt lookup, suffix) for a round's drafts",
+            tag_keys=MODE)
+        self.draft_lookup_hits = metrics.Counter(
+            "specserve_draft_lookup_hits", "lookups that found drafts (hit rate: this over specserve_draft_lookups)",
+            tag_keys=MODE)
         self._pending: defaultdict[tuple, int] = defaultdict(int)  # counts of the tick in progress
 
     # -- RoundMetrics ------------------------------------------------------------------------
@@ -121,6 +127,11 @@ class ServeRoundMetrics(RoundMetrics):
 
     def draft_length(self, mode: str, num_drafts: int) -> None:
         self._draft_lengths.append((mode, num_drafts))  # observed at the tick's flush
+
+    def draft_lookup(self, mode: str, found: bool) -> None:
+        tags = (("mode", mode),)
+        self._pending[(self.draft_lookups, tags)] += 1
+        self._pending[(self.draft_lookup_hits, tags)] += found
 
     def verify_round(self, mode: str, num_drafts: int, accepted: int, committed: int) -> None:
         tags = (("mode", mode),)

@@ -43,7 +43,8 @@ def speculative_body(stats: SpeculativeStats, num_speculative_tokens: int) -> di
             "accepted_tokens": stats.accepted_tokens, "acceptance_rate": round(stats.acceptance_rate, 4),
             "mean_accepted_length": round(stats.mean_accepted_length, 4),
             "accepted_per_position": list(stats.accepted_per_position),
-            "draft_per_position": list(stats.proposed_per_position)}
+            "draft_per_position": list(stats.proposed_per_position),
+            "lookups": stats.lookups, "lookup_hit_rate": round(stats.hit_rate, 4)}
 
 
 @dataclass(frozen=True)

@@ -256,6 +256,13 @@ class Router:
         await self._ensure_ready()
         return {"status": "ok", "freed_blocks": await self.transport.reset_prefix_cache()}
 
+    @app.post("/reset_suffix_cache")
+    async def reset_suffix_cache(self) -> dict:
+        """Forget the earlier outputs this router replica's suffix decoding drafts from, so
+        the next requests run cold (for benchmarks)."""
+        await self._ensure_ready()
+        return {"status": "ok", "forgotten_outputs": self.factory.reset_suffix_cache()}
+
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
         await self._ensure_ready()

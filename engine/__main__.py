@@ -15,6 +15,7 @@ from engine.config import EngineConfig, SpeculativeConfig
 from engine.errors import EngineError
 from engine.grammar.spec import StructuredOutput
 from engine.options import SPECULATIVE_MODES, GenerationOptions
+from engine.speculative.proposers.registry import MODEL_MODES
 from engine.speculative.sequence import TokenEvent
 
 
@@ -82,7 +83,7 @@ def generate(args: argparse.Namespace) -> int:
                                     num_speculative_tokens=args.num_speculative_tokens,
                                     structured_output=_structured_output(args))
         # Load only the proposer this run uses: start-up stays fast.
-        load = () if args.speculative in ("none", "prompt_lookup") else (args.speculative,)
+        load = () if args.speculative not in MODEL_MODES else (args.speculative,)
         engine = Engine(args.model, EngineConfig(device=args.device, intra_op_threads=args.threads,
                                                  target_format=args.target_format,
                                                  speculative=SpeculativeConfig(load=load)))

@@ -198,6 +198,13 @@ class Engine:
         target's cached blocks freed."""
         return asyncio.run_coroutine_threadsafe(self.transport.reset_prefix_cache(), self._event_loop()).result()
 
+    def reset_suffix_cache(self) -> int:
+        """Forget earlier requests' outputs, which suffix decoding drafts from, so the next
+        requests run cold: for benchmarks. Returns how many outputs it held."""
+        async def reset() -> int:  # on the coordinator's loop, between its ticks
+            return self.factory.reset_suffix_cache()
+        return asyncio.run_coroutine_threadsafe(reset(), self._event_loop()).result()
+
     def drain(self, timeout_s: float = 30.0) -> bool:
         """Wait until retired requests' blocks are all back (the release rides on the next
         tick); False on timeout. For tests and graceful shutdown."""

@@ -42,6 +42,23 @@ class SpeculativeConfig(BaseModel):
     load: tuple[SpeculativeMode, ...] | None = Field(
         None, description="proposers to load (in-process) or deploy (server); None = every one the bundle provides")
     prompt_lookup_ngram: int = Field(3, ge=1)
+    suffix_num_speculative_tokens: int = Field(MAX_SPECULATIVE_TOKENS, ge=1, le=MAX_SPECULATIVE_TOKENS, description=(
+        "most drafts per round in suffix mode (a request may ask for another maximum): its drafts are as long as "
+        "its matches allow, and the adaptive plan cuts what a round cannot pay for"))
+    suffix_max_depth: int = Field(24, ge=2, le=256, description=(
+        "suffix decoding's longest match plus draft, in tokens (vLLM's suffix_decoding_max_tree_depth)"))
+    suffix_max_spec_factor: float = Field(1.0, gt=0, description=(
+        "a match of m tokens drafts at most factor * m + offset tokens"))
+    suffix_max_spec_offset: float = Field(0.0, ge=0)
+    suffix_min_token_prob: float = Field(0.1, ge=0, le=1, description=(
+        "drafting stops where a token's estimated probability (branch counts, multiplied along the draft) "
+        "falls below this"))
+    suffix_min_match: int = Field(3, ge=2, le=64, description=(
+        "shorter suffix matches draft nothing: a 2-token match's first draft is accepted about a third of the "
+        "time, which a verify does not pay for (docs/speculative-decoding.md#suffix)"))
+    suffix_max_cached_requests: int = Field(10000, ge=0, description=(
+        "earlier suffix-mode outputs a coordinator (the engine, or one router replica) drafts from, oldest "
+        "evicted first; 0 drafts from each request's own tokens only"))
 
 
 class SchedulerConfig(BaseModel):

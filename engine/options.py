@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from engine.grammar.spec import StructuredOutput
 
 
-SpeculativeMode = Literal["none", "prompt_lookup", "draft_model", "mtp", "eagle3", "shared_kv"]
+SpeculativeMode = Literal["none", "prompt_lookup", "suffix", "draft_model", "mtp", "eagle3", "shared_kv"]
 SPECULATIVE_MODES: tuple[str, ...] = SpeculativeMode.__args__
 MAX_SPECULATIVE_TOKENS = 16
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows

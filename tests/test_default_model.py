@@ -210,7 +210,7 @@ def test_the_convert_command_writes_a_bundle_from_a_gguf_that_the_engine_serves(
     options = GenerationOptions(max_new_tokens=12, temperature=0)
     with Engine(out, EngineConfig(device="cpu", intra_op_threads=2)) as engine:
         assert engine.chat(CAPITAL, options).token_ids == default_engine.chat(CAPITAL, options).token_ids
-        assert engine.available_modes == ["none", "prompt_lookup"]
+        assert engine.available_modes == ["none", "prompt_lookup", "suffix"]
         for mode in ("draft_model", "mtp", "eagle3", "shared_kv"):
             with pytest.raises(InvalidRequestError, match=mode):
                 engine.chat(CAPITAL, GenerationOptions(max_new_tokens=4, speculative_mode=mode))

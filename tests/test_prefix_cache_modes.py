@@ -14,7 +14,7 @@ from engine import Engine, GenerationOptions
 
 from .conftest import CPU_CONFIG, MODELS, assert_everything_released
 
-MODES = ("none", "prompt_lookup", "draft_model", "mtp", "eagle3", "shared_kv")
+MODES = ("none", "prompt_lookup", "suffix", "draft_model", "mtp", "eagle3", "shared_kv")
 NEW_TOKENS = 24
 
 

@@ -23,7 +23,7 @@ from engine.speculative.proposers.shared_kv import SharedKvProposer
 
 from .conftest import CPU_CONFIG, MODELS, PINNED, TARGET_DIR, assert_everything_released, generate_concurrently
 
-MIXED = ["none", "prompt_lookup", "draft_model", "mtp", "eagle3", "shared_kv"]
+MIXED = ["none", "prompt_lookup", "suffix", "draft_model", "mtp", "eagle3", "shared_kv"]
 
 
 def call_on_loop(engine: Engine, coroutine, timeout: float = 10.0):
@@ -59,13 +59,13 @@ def test_a_padded_batch_gives_each_sequence_its_own_logits_and_kv(bundle_engine,
 
 
 def test_concurrent_requests_are_batched_and_each_matches_its_solo_run(heldout_prompts, monkeypatch, make_engine):
-    """Twelve requests, two of every mode: the target verifies them in shared passes, each
+    """Two requests of every mode: the target verifies them in shared passes, each
     head and the draft model draft for their sequences in one run per step, and each
     output equals its solo run."""
     engine = make_engine(MODELS, CPU_CONFIG)
     jobs = [(heldout_prompts[i], GenerationOptions(max_new_tokens=16 + 4 * i, ignore_eos=True,
                                                    speculative_mode=MIXED[i % len(MIXED)]))
-            for i in range(12)]
+            for i in range(2 * len(MIXED))]
     solo = [engine.generate(p, o).token_ids for p, o in jobs]
     target_batches, head_batches = [], {"draft_model": [], "mtp": [], "eagle3": [], "shared_kv": []}
     original = engine.target.feed_batch
@@ -288,8 +288,8 @@ def test_modes_defaults_and_reservations_are_decided_in_one_place(bundle_engine)
                              CPU_CONFIG.model_copy(update=config), {m: bundle_engine.needs[m] for m in served})
 
     only_eagle = factory(["eagle3"])
-    assert only_eagle.modes == ["none", "prompt_lookup", "eagle3"] and only_eagle.default_mode == "eagle3"
-    with pytest.raises(InvalidRequestError, match="'mtp' is not loaded.*available: none, prompt_lookup, eagle3"):
+    assert only_eagle.modes == ["none", "prompt_lookup", "suffix", "eagle3"] and only_eagle.default_mode == "eagle3"
+    with pytest.raises(InvalidRequestError, match="'mtp' is not loaded.*available: none, prompt_lookup, suffix, eagle3"):
         only_eagle.create("x", [1, 2, 3], GenerationOptions(speculative_mode="mtp"))
     assert factory([]).default_mode == "none"
     assert factory(["draft_model", "shared_kv"]).default_mode == "shared_kv"

@@ -563,6 +563,35 @@ def test_prometheus_counters_agree_with_the_stats_responses_reported(client, met
     assert free == total_blocks  # the gauge reports the ledger: every block back once the requests ended
 
 
+def test_suffix_decoding_drafts_from_earlier_outputs_counts_its_lookups_and_resets(
+        server, client, metrics_url, bundle_engine, heldout_prompts):
+    """The router's suffix cache: a repeat of a request drafts from the first one's output
+    (a cache hit: far fewer rounds), ``/reset_suffix_cache`` forgets it, every reply is
+    the engine's target-only one, and the lookup counters on Prometheus add up to what
+    the responses reported."""
+    names = {"ray_specserve_draft_lookups_total": "lookups", "ray_specserve_draft_lookup_hits_total": "hits"}
+    before = {name: _scrape(metrics_url, name, mode="suffix") for name in names}
+    reset = httpx.post(f"{server}/reset_suffix_cache", headers=AUTH, timeout=30)
+    assert reset.status_code == 200 and reset.json()["status"] == "ok"
+    prompt, tokens = heldout_prompts[10], 48
+    cold, hit = (_complete(client, prompt, "suffix", tokens, adaptive=False) for _ in range(2))
+    assert httpx.post(f"{server}/reset_suffix_cache", headers=AUTH, timeout=30).json()["forgotten_outputs"] == 2
+    again = _complete(client, prompt, "suffix", tokens, adaptive=False)
+    expected = bundle_engine.generate(prompt, GenerationOptions(max_new_tokens=tokens, speculative_mode="none"))
+    assert all(r.choices[0].model_extra["token_ids"] == expected.token_ids for r in (cold, hit, again))
+    spec = [r.model_extra["speculative"] for r in (cold, hit, again)]
+    assert spec[1]["rounds"] < spec[0]["rounds"] / 2 and spec[2]["rounds"] == spec[0]["rounds"]
+    want = {"ray_specserve_draft_lookups_total": sum(s["lookups"] for s in spec),
+            "ray_specserve_draft_lookup_hits_total": round(sum(s["lookups"] * s["lookup_hit_rate"] for s in spec))}
+    deadline = time.monotonic() + 30  # the router reports every 500 ms here
+    while True:
+        got = {name: _scrape(metrics_url, name, mode="suffix") - before[name] for name in names}
+        if got == want or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert got == want and want["ray_specserve_draft_lookup_hits_total"] > 0
+
+
 def test_a_shared_prefix_is_reported_cached_counted_and_token_identical_in_every_mode(
         server, client, metrics_url, bundle_engine, heldout_prompts):
     """Per mode, after a reset: a cold request, then one sharing its ~300-token prefix,

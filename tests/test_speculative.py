@@ -9,10 +9,11 @@ from pydantic import ValidationError
 from engine import GenerationOptions, InvalidRequestError
 from engine.speculative.proposers.base import NO_NEEDS
 from engine.speculative.proposers.prompt_lookup import PromptLookupProposer
+from engine.speculative.proposers.registry import PROPOSER_KINDS
 from engine.speculative.reference import speculative_decode
 from engine.speculative.stats import SpeculativeStats
 
-MODES = ["prompt_lookup", "draft_model", "mtp", "eagle3", "shared_kv"]
+MODES = ["prompt_lookup", "suffix", "draft_model", "mtp", "eagle3", "shared_kv"]
 HEAD_MODES = ["mtp", "eagle3", "shared_kv"]
 
 
@@ -49,6 +50,8 @@ def reference_decode(engine, mode: str, prompt: str, options: GenerationOptions,
         proposer = None
     elif mode == "prompt_lookup":
         proposer = PromptLookupProposer(3, k)
+    elif mode == "suffix":  # its own history only: the caller resets the engine's suffix cache first
+        proposer = PROPOSER_KINDS["suffix"].local_proposer(engine.config.speculative, k)
     else:
         proposer = engine.proposers[mode].new_proposer()
     try:
@@ -71,6 +74,7 @@ def test_the_engine_gives_the_reference_loops_tokens(mode, temperature, bundle_e
     for n, prompt in enumerate(heldout_prompts[13:16]):
         options = GenerationOptions(max_new_tokens=32, temperature=temperature, seed=100 + n, ignore_eos=True,
                                     speculative_mode=mode, num_speculative_tokens=k)
+        bundle_engine.reset_suffix_cache()  # the reference's suffix proposer has no earlier outputs
         engine_result = bundle_engine.generate(prompt, options)
         assert bundle_engine.drain()  # the reference borrows the engine's target pool: it must be idle
         state, stats = reference_decode(bundle_engine, mode, prompt, options, k)

@@ -128,7 +128,7 @@ def bigram_engine(bigram_bundle):
     root, _ = bigram_bundle
     engine = Engine(root, EngineConfig(device="cpu", intra_op_threads=1, speculative=SpeculativeConfig(adaptive=False),
                                        scheduler=SchedulerConfig(max_batch_size=64)))
-    assert engine.available_modes == ["none", "prompt_lookup", "draft_model"] and engine.draft is not None
+    assert engine.available_modes == ["none", "prompt_lookup", "suffix", "draft_model"] and engine.draft is not None
     yield engine
     engine.close()
 
@@ -157,13 +157,14 @@ def exact_distribution(table: np.ndarray, allowed: tuple[str, ...] | None = None
 
 
 def draw(engine: Engine, mode: str, n: int, first_seed: int, concurrency: int = 64,
-         adaptive: bool | None = None, grammar: StructuredOutput | None = None) -> list[tuple]:
+         adaptive: bool | None = None, grammar: StructuredOutput | None = None, seeded: bool = True) -> list[tuple]:
     """``n`` independent samples: one request per seed, submitted concurrently so the
     coordinator batches them (as a server under load would). Without a grammar EOS is
-    ignored; a grammar never allows it before its end."""
+    ignored; a grammar never allows it before its end. ``seeded`` False: no seed (fresh
+    entropy each), as a request that drafts from other requests' outputs needs."""
     def one(seed: int) -> tuple:
         options = GenerationOptions(max_new_tokens=NEW_TOKENS, temperature=1.0, ignore_eos=grammar is None,
-                                    seed=seed, speculative_mode=mode, num_speculative_tokens=3,
+                                    seed=seed if seeded else None, speculative_mode=mode, num_speculative_tokens=3,
                                     adaptive_speculation=adaptive, structured_output=grammar)
         return tuple(engine.generate(PROMPT, options).token_ids)
 
@@ -202,6 +203,19 @@ def test_speculative_sampling_matches_the_target_distribution(bigram_engine, big
     stats = bigram_engine.cumulative_stats["draft_model"]
     assert before is None and stats.proposed_tokens > DRAWS  # the draft model really proposed ...
     assert 0.2 < stats.acceptance_rate < 0.95                # ... and was neither always right nor always wrong
+    assert chi_square_p_value(samples, exact_distribution(table)) > 0.01
+
+
+def test_suffix_sampling_drafting_from_other_requests_matches_the_target_distribution(bigram_engine, bigram_bundle):
+    """Unseeded, so every request drafts from the outputs of the samples before it (the
+    suffix cache) as well as its own: drafts that depend on other requests' random draws
+    still leave each sample distributed as the target's."""
+    _, table = bigram_bundle
+    bigram_engine.reset_suffix_cache()
+    samples = draw(bigram_engine, "suffix", DRAWS, first_seed=1, seeded=False)
+    stats = bigram_engine.cumulative_stats["suffix"]
+    assert stats.proposed_tokens > DRAWS and 0.2 < stats.acceptance_rate < 0.95
+    assert bigram_engine.reset_suffix_cache() > 0  # the samples' outputs were there to draft from
     assert chi_square_p_value(samples, exact_distribution(table)) > 0.01
 
 

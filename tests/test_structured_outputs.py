@@ -25,7 +25,7 @@ from engine.speculative.verify import verify
 from .conftest import assert_everything_released
 from .test_speculative import reference_decode
 
-MODES = ["none", "prompt_lookup", "draft_model", "mtp", "eagle3", "shared_kv"]
+MODES = ["none", "prompt_lookup", "suffix", "draft_model", "mtp", "eagle3", "shared_kv"]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "body": {"type": "string"},
                                            "count": {"type": "integer"}},
           "required": ["name", "body", "count"], "additionalProperties": False}

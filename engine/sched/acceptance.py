@@ -40,26 +40,34 @@ _NO_COUNTS = _Counts()  # read only: what a sequence or mode without rounds has
 
 class AcceptanceTracker:
     """Per-sequence and per-mode acceptance of each draft position, conditional on the
-    drafts before it being accepted (the only way a position is ever judged)."""
+    drafts before it being accepted (the only way a position is ever judged).
+
+    A proposer may say which *class* its round's drafts belong to (``Proposal.draft_class``:
+    suffix decoding's match length), when drafts of one class are accepted alike and
+    classes differ: a round then counts in its class and in its mode's overall counts, and
+    a plan for a classed draft reads its class's (docs/adaptive-speculation.md)."""
 
     def __init__(self) -> None:
-        self._modes: dict[str, _Counts] = {}
-        self._seqs: dict[object, _Counts] = {}
+        self._modes: dict[tuple[str, str], _Counts] = {}
+        self._seqs: dict[object, dict[str, _Counts]] = {}
 
-    def record(self, seq_id, mode: str, num_drafts: int, accepted: int) -> None:
+    def record(self, seq_id, mode: str, num_drafts: int, accepted: int, draft_class: str = "") -> None:
         if num_drafts <= 0:
             return
-        self._modes.setdefault(mode, _Counts()).record(num_drafts, accepted, MODE_DECAY)
-        self._seqs.setdefault(seq_id, _Counts()).record(num_drafts, accepted)
+        own = self._seqs.setdefault(seq_id, {})
+        for kind in {"", draft_class}:
+            self._modes.setdefault((mode, kind), _Counts()).record(num_drafts, accepted, MODE_DECAY)
+            own.setdefault(kind, _Counts()).record(num_drafts, accepted)
 
     def forget(self, seq_id) -> None:
         self._seqs.pop(seq_id, None)
 
-    def alphas(self, seq_id, mode: str, max_num_drafts: int) -> list[float]:
+    def alphas(self, seq_id, mode: str, max_num_drafts: int, draft_class: str = "") -> list[float]:
         """Each position's estimate: the sequence's own counts, shrunk toward its mode's
         average (itself shrunk toward ``PRIOR_ACCEPTANCE``), each ``(passed + weight *
-        prior) / (tested + weight)``."""
-        mode_counts, own = self._modes.get(mode, _NO_COUNTS), self._seqs.get(seq_id, _NO_COUNTS)
+        prior) / (tested + weight)``; of ``draft_class`` where one is given."""
+        mode_counts = self._modes.get((mode, draft_class), _NO_COUNTS)
+        own = self._seqs.get(seq_id, {}).get(draft_class, _NO_COUNTS)
         mode_tested, mode_passed, tested, passed = mode_counts.tested, mode_counts.passed, own.tested, own.passed
         known_mode, known = len(mode_tested), len(tested)
         rates = []

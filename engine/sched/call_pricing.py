@@ -35,6 +35,7 @@ class DraftRequest:
                            # (prompt lookup); max_num_drafts is then what it found
     primed: bool = True    # its proposer could draft now: it needs no anchor, or holds the one its sequence's
                            # last target call brought back (``DraftLengthPlanner.plan``: anchors on demand)
+    draft_class: str = ""  # the class of the drafts it found (``Proposal.draft_class``; "" unclassed)
 
 
 class CallPricing:
@@ -52,7 +53,7 @@ class CallPricing:
         self.calls_per_token: list[list[float]] = []
         for r in requests:
             accepted, tokens, prefix_accepted, calls_per_token = 1.0, 1.0, [], [1.0]
-            for alpha in acceptance.alphas(r.seq_id, r.mode, r.max_num_drafts):
+            for alpha in acceptance.alphas(r.seq_id, r.mode, r.max_num_drafts, r.draft_class):
                 accepted *= alpha
                 tokens += accepted
                 prefix_accepted.append(accepted)

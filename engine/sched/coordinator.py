@@ -330,7 +330,8 @@ class RoundCoordinator:
                 continue
             driver.round_num_drafts = driver.max_num_drafts()
             try:
-                driver.propose_locally()
+                if driver.propose_locally():
+                    self.metrics.draft_lookup(driver.mode, driver.drafted > 0)
             except Exception as exc:  # noqa: BLE001 - a proposer failure costs drafts, never the request
                 log.warning("in-coordinator proposer %s failed for %s: %r", driver.mode, driver.seq_id, exc)
                 self.metrics.fault("proposer_failed", driver.mode)
@@ -369,7 +370,7 @@ class RoundCoordinator:
             requests = [DraftRequest(r.driver.seq_id, r.driver.mode, r.driver.round_num_drafts, r.driver.adaptive,
                                      r.driver.catch_up, r.driver.ending, r.driver.proposer_cold,
                                      r.driver.max_num_drafts() if r.driver.local_proposer is not None else 0,
-                                     r.driver.primed)
+                                     r.driver.primed, r.driver.draft_class)
                         for r in runs]
             plan = self.planner.plan(requests)
             anchors = plan.anchors or [True] * len(runs)
@@ -546,10 +547,11 @@ class RoundCoordinator:
                     continue
                 self.timings.rounds += len(rounds) - 1 if rounds else 0  # the tick counted one
                 for verified in rounds:
-                    self.metrics.verify_round(run.driver.mode, *verified)
+                    self.metrics.verify_round(run.driver.mode, verified.num_drafts, verified.accepted,
+                                              verified.committed)
                     if self.planner is not None:
                         self.planner.observe(SequenceRound(run.driver.seq_id, run.driver.mode, verified.num_drafts,
-                                                           verified.accepted))
+                                                           verified.accepted, verified.draft_class))
 
     def _forget_target(self, replica: str) -> None:
         if replica not in self._forgotten:
@@ -590,6 +592,11 @@ class RoundCoordinator:
         if run in lane.runs:
             lane.runs.remove(run)
         seq_id = run.driver.seq_id
+        try:
+            run.driver.close()
+        except Exception as exc:  # noqa: BLE001 - a proposer's bookkeeping never fails the request
+            log.warning("closing the in-coordinator proposer of %s failed: %r", seq_id, exc)
+            self.metrics.fault("proposer_failed", run.driver.mode)
         if self.planner is not None:
             self.planner.observe(SequenceRetired(seq_id))
         if run.grant is not None:

@@ -103,6 +103,7 @@ class SequenceRound(NamedTuple):
     mode: str
     num_drafts: int
     accepted: int
+    draft_class: str = ""  # of the drafts it verified (``Proposal.draft_class``)
 
 
 class SequenceRetired(NamedTuple):
@@ -262,7 +263,8 @@ class DraftLengthPlanner:
         """Learn from what the coordinator saw (the records above)."""
         match record:
             case SequenceRound():
-                self.acceptance.record(record.seq_id, record.mode, record.num_drafts, record.accepted)
+                self.acceptance.record(record.seq_id, record.mode, record.num_drafts, record.accepted,
+                                       record.draft_class)
             case SequenceRetired():
                 self.acceptance.forget(record.seq_id)
                 self.lookups.forget(record.seq_id)
@@ -334,7 +336,7 @@ class DraftLengthPlanner:
     def _held_or_planned(self, call: Sequence[DraftRequest]) -> tuple[list[int], int]:
         """The call's held plan where it serves this round's maxima, else a new plan,
         which the call then holds. Each is a fresh list: exploring may add a draft."""
-        key = tuple((r.seq_id, r.mode, r.adaptive) for r in call) if self.replan_rounds > 1 else None
+        key = tuple((r.seq_id, r.mode, r.adaptive, r.draft_class) for r in call) if self.replan_rounds > 1 else None
         maxima = [r.max_num_drafts for r in call]
         held = self._held.get(key)
         reused = held.serves(maxima) if held is not None else None

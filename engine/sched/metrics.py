@@ -26,6 +26,9 @@ class RoundMetrics:
 
     def verify_round(self, mode: str, num_drafts: int, accepted: int, committed: int) -> None: ...
 
+    def draft_lookup(self, mode: str, found: bool) -> None:
+        """One lookup of a model-free proposer (prompt lookup, suffix): whether it found drafts."""
+
     def draft_length(self, mode: str, num_drafts: int) -> None:
         """The number of drafts adaptive speculation chose for one sequence's round."""
 

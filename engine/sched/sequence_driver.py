@@ -33,6 +33,7 @@ class VerifiedRound(NamedTuple):
     num_drafts: int
     accepted: int
     committed: int
+    draft_class: str = ""  # of its drafts (``Proposal.draft_class``)
 
 
 class Speculation(NamedTuple):
@@ -79,6 +80,8 @@ class SequenceDriver:
         self._last_accepted = -1
         self._drafts: list[int] = []
         self._probs: Any = None
+        self.draft_class = ""  # of this round's drafts (``Proposal.draft_class``)
+        self._closing = local_proposer is not None  # ``close`` has the local proposer to close
 
     @property
     def finished(self) -> bool:
@@ -154,16 +157,20 @@ class SequenceDriver:
         return ProposeItem(self.seq_id, num_drafts, since, tokens[since:], None if since else self.state.options,
                            self._last_accepted if since else -1, self.anchor, None if since else self.state.rules)
 
-    def propose_locally(self) -> None:
-        """Draft with the in-coordinator (model-free) proposer, if this request has one."""
+    def propose_locally(self) -> bool:
+        """Draft with the in-coordinator (model-free) proposer, if this request has one;
+        whether it looked (its lookups and hits count in the stats)."""
         self.no_drafts()
         num_drafts = self._drafts_this_round()
         if self.local_proposer is None or num_drafts == 0:
-            return
+            return False
         state = self.state
         proposal = self.local_proposer.propose(
             proposer_context(num_drafts, state.tokens, state.options, Anchor(), None, state.rules))
         self._drafts = [int(t) for t in proposal.tokens[:num_drafts]]
+        self.draft_class = proposal.draft_class if self._drafts else ""
+        self.stats.record_lookup(bool(self._drafts))
+        return True
 
     @property
     def catch_up(self) -> float:
@@ -191,7 +198,7 @@ class SequenceDriver:
 
     def no_drafts(self) -> None:
         """This round verifies no drafts (its proposer is unavailable)."""
-        self._drafts, self._probs = [], None
+        self._drafts, self._probs, self.draft_class = [], None, ""
 
     def take_proposal(self, result: ProposeResult) -> None:
         if result.resync:
@@ -224,14 +231,14 @@ class SequenceDriver:
             commit_outcome(self.state, outcome)
             self.prefilled = True
             return []
-        rounds = [self._commit(outcome, len(self._drafts))]
+        rounds = [self._commit(outcome, len(self._drafts), self.draft_class)]
         for step in more:  # plain rounds: no drafts
             if self.finished:
                 break
             rounds.append(self._commit(step, 0))
         return rounds
 
-    def _commit(self, outcome: RoundOutcome, num_drafts: int) -> VerifiedRound:
+    def _commit(self, outcome: RoundOutcome, num_drafts: int, draft_class: str = "") -> VerifiedRound:
         """Commit one verify round that checked ``num_drafts`` drafts: the tokens, the stats
         and what the in-coordinator proposer learns."""
         committed = commit_outcome(self.state, outcome)
@@ -240,7 +247,14 @@ class SequenceDriver:
         if self.local_proposer is not None:
             self.local_proposer.accept(AcceptContext(outcome.accepted, outcome.tokens[:committed],
                                                      list(self.state.tokens)))
-        return VerifiedRound(num_drafts, outcome.accepted, committed)
+        return VerifiedRound(num_drafts, outcome.accepted, committed, draft_class)
+
+    def close(self) -> None:
+        """The request has ended: its in-coordinator proposer hears it, once (a suffix
+        proposer gives its output to the coordinator's cache)."""
+        proposer, self._closing = (self.local_proposer if self._closing else None), False
+        if proposer is not None:
+            proposer.close()
 
     def lost_target(self) -> None:
         """The target holding this sequence's KV is gone: re-prefill what is committed."""
@@ -286,10 +300,22 @@ class DriverFactory:
         self.vocab_size, self.config, self.served = vocab_size, config, dict(served)
         self.speculative = config.speculative
         self.default_mode = resolve_default_mode(config, self.modes)
+        # What a model-free kind's proposers share across this factory's requests (the
+        # suffix cache): one per coordinator, so per engine, or per router replica.
+        self.coordinator_states: dict[str, object | None] = {}
 
     @property
     def modes(self) -> list[str]:
         return served_modes(self.served)
+
+    def reset_suffix_cache(self) -> int:
+        """Forget earlier requests' outputs (the suffix cache), so the next requests run
+        cold: for benchmarks. Returns how many outputs it held."""
+        cache = self.coordinator_states.get("suffix")
+        held = len(cache) if cache is not None else 0
+        if cache is not None:
+            cache.clear()
+        return held
 
     def validate(self, options: GenerationOptions) -> Speculation:
         """Check a request's options against this deployment -- its mode is served (and
@@ -309,7 +335,9 @@ class DriverFactory:
         if mode not in self.modes:
             raise InvalidRequestError(f"speculative mode '{mode}' is not loaded "
                                       f"(available: {', '.join(self.modes)})", param="speculative_mode")
-        return Speculation(mode, options.num_speculative_tokens or self.speculative.num_speculative_tokens)
+        kind = PROPOSER_KINDS.get(mode)  # None: target-only
+        default = kind.default_num_drafts(self.speculative) if kind else self.speculative.num_speculative_tokens
+        return Speculation(mode, options.num_speculative_tokens or default)
 
     def _check_token_ids(self, options: GenerationOptions) -> None:
         """The options' token ids (``stop_token_ids``, ``logit_bias``' keys) are in the vocabulary."""
@@ -341,13 +369,20 @@ class DriverFactory:
         mode, num_drafts = speculation or self.validate(options)
         state = SequenceState(prompt_ids, options, self.tokenizer, self.eos_token_ids, self.max_context, on_token)
         kind = PROPOSER_KINDS.get(mode)
-        local = kind.local_proposer(self.speculative, num_drafts) if kind is not None and kind.in_coordinator else None
+        # A seed asks for a reproducible sample, and a sampled round's random draws depend
+        # on the drafts it verifies -- which adapting ties to measured timings, and a cache
+        # shared across requests to what ran before. So a seeded sampled request keeps its
+        # draft count unless it asks to adapt, and drafts from nothing other requests left.
+        reproducible = not options.greedy and options.seed is not None
+        local = None
+        if kind is not None and kind.in_coordinator:
+            if mode not in self.coordinator_states:
+                self.coordinator_states[mode] = kind.coordinator_state(self.speculative)
+            shared = None if reproducible else self.coordinator_states[mode]
+            local = kind.local_proposer(self.speculative, num_drafts, len(prompt_ids), shared)
         adaptive = options.adaptive_speculation
         if adaptive is None:
-            # A seed asks for a reproducible sample, and a sampled round's random draws depend
-            # on how many drafts it verifies -- which adapting ties to measured timings. So a
-            # seeded sampled request keeps its draft count unless it asks to adapt.
-            adaptive = self.speculative.adaptive and (options.greedy or options.seed is None)
+            adaptive = self.speculative.adaptive and not reproducible
         return SequenceDriver(seq_id, state, mode, num_drafts, self.served.get(mode, NO_NEEDS), local,
                               remote_proposer=mode in self.served,
                               kv_tokens=self.kv_reservation(len(prompt_ids), options.max_new_tokens),

@@ -16,6 +16,17 @@ class SpeculativeStats:
     committed_tokens: int = 0        # tokens committed by rounds (accepted drafts + corrections/bonuses)
     proposed_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
+    lookups: int = 0                 # rounds a model-free proposer looked for drafts
+    lookup_hits: int = 0             # ... and found some
+
+    def record_lookup(self, found: bool) -> None:
+        self.lookups += 1
+        self.lookup_hits += found
+
+    @property
+    def hit_rate(self) -> float:
+        """The share of a model-free proposer's lookups that found drafts."""
+        return self.lookup_hits / self.lookups if self.lookups else 0.0
 
     def record_round(self, proposed: int, accepted: int, committed: int) -> None:
         self.verification_steps += 1
@@ -47,6 +58,8 @@ class SpeculativeStats:
         self.accepted_tokens += other.accepted_tokens
         self.multi_token_accepts += other.multi_token_accepts
         self.committed_tokens += other.committed_tokens
+        self.lookups += other.lookups
+        self.lookup_hits += other.lookup_hits
         for mine, theirs in ((self.proposed_per_position, other.proposed_per_position),
                              (self.accepted_per_position, other.accepted_per_position)):
             mine.extend([0] * (len(theirs) - len(mine)))

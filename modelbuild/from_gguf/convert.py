@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import onnxruntime as ort
 
 from engine.model.manifest import (MANIFEST_NAME, ArrayEntry, BundleManifest, ConversionRecord, HiddenOutputs,
                                    ModelEntry)
@@ -99,6 +100,9 @@ def convert_gguf(gguf_path: Path, out: Path, weight_format: str = "fp32", accura
             step(f"writing the fast format ({FAST_WEIGHTS}, int8 activations, row-invariant)")
             build_invariant_decoder(target, target / FAST_FILE, aux, in_place=False, weights=fast_weights)
             build_invariant_decoder(target, target / FAST_IN_PLACE_FILE, aux, in_place=True, weights=fast_weights)
+            for graph in (FAST_FILE, FAST_IN_PLACE_FILE):  # every node's inputs exist, its types agree
+                step(f"checking {graph} loads")
+                ort.InferenceSession(str(target / graph), providers=["CPUExecutionProvider"])
     finally:
         store.close()
     if weight_format != "int8" and accuracy_level == 0:  # int8 activations round differently in each graph

@@ -72,7 +72,6 @@ class GgufWeights:
         if weight_format == "int8":
             accuracy_level = 4  # its only fast kernel (see ``linear``)
         self.checkpoint, self.store, self.format, self.accuracy_level = checkpoint, store, weight_format, accuracy_level
-        self._block_sums: dict[tuple[int, str], str] = {}  # (graph, x) -> its 32-block sums
 
     def _init(self, g: _Graph, name: str, array: np.ndarray) -> str:
         g.initializers.append(self.store.tensor(name, array))
@@ -160,8 +159,10 @@ class GgufWeights:
     def _block_sums_of(self, g: _Graph, x: str, in_size: int) -> str:
         """``x``'s sums over each 32-wide block of its last axis, ``[.., K/32]``; computed
         once per graph and input (q, k and v share theirs, as do gate and up)."""
-        key = (id(g), x)
-        if key not in self._block_sums and getattr(g, "flat_rows", False):
+        # Kept on the graph: a cache keyed by id(graph) outlived its graph, and a later
+        # graph given the same id read sums from nodes it does not have.
+        sums: dict[str, str] = g.__dict__.setdefault("block_sums", {})
+        if x not in sums and getattr(g, "flat_rows", False):
             # Rows [R, K] -> [R, K/32, 32] -> sums over the last axis: computed row by row,
             # the same bits at any row count (modelbuild.invariant_graph), and no constant
             # to read (a 0/1 matrix here cost ~1.9 ms a decode step in memory traffic:
@@ -170,13 +171,13 @@ class GgufWeights:
             for name, value in ((shape, [-1, in_size // 32, 32]), (axis, [-1])):
                 if not any(init.name == name for init in g.initializers):
                     g.const(name, np.array(value, np.int64))
-            self._block_sums[key] = g.one("ReduceSum", [g.one("Reshape", [x, shape]), axis], keepdims=0)
-        if key not in self._block_sums:
-            blocks = g.one("Reshape", [x, g.const(f"blocks_of_{in_size}_{len(self._block_sums)}",
+            sums[x] = g.one("ReduceSum", [g.one("Reshape", [x, shape]), axis], keepdims=0)
+        if x not in sums:
+            blocks = g.one("Reshape", [x, g.const(f"blocks_of_{in_size}_{len(sums)}",
                                                   np.array([0, 0, in_size // 32, 32], np.int64))])
-            self._block_sums[key] = g.one("ReduceSum", [blocks, g.const(f"sum_last_{len(self._block_sums)}",
-                                                                        np.array([-1], np.int64))], keepdims=0)
-        return self._block_sums[key]
+            sums[x] = g.one("ReduceSum", [blocks, g.const(f"sum_last_{len(sums)}", np.array([-1], np.int64))],
+                            keepdims=0)
+        return sums[x]
 
     @staticmethod
     def _finish(g: _Graph, op: str, inputs: list[str], output: str | None, **attrs) -> str:

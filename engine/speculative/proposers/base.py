@@ -85,6 +85,10 @@ class Proposal:
     # Draft distribution q of each token ([len(tokens), V]) when the proposer sampled
     # from one; None means the tokens were chosen greedily (one-hot q).
     probs: np.ndarray | None = None
+    # What kind of draft this is, where a proposer knows drafts of one kind are accepted
+    # alike (suffix decoding: by match length): the adaptive planner estimates each class's
+    # acceptance apart. "" = unclassed.
+    draft_class: str = ""
 
 
 @dataclass(frozen=True)

@@ -56,8 +56,19 @@ class ProposerKind:
         """What this kind takes from the target, checked against the target's outputs."""
         return NO_NEEDS
 
-    def local_proposer(self, speculative: SpeculativeConfig, num_drafts: int) -> Proposer:
-        """A per-request proposer of a kind that runs inside the coordinator."""
+    def default_num_drafts(self, speculative: SpeculativeConfig) -> int:
+        """Most drafts per round for a request that names no maximum."""
+        return speculative.num_speculative_tokens
+
+    def coordinator_state(self, speculative: SpeculativeConfig) -> object | None:
+        """What this kind's proposers share across the requests of one coordinator (the
+        suffix cache), made once per ``DriverFactory``; None: nothing."""
+        return None
+
+    def local_proposer(self, speculative: SpeculativeConfig, num_drafts: int, prompt_len: int = 0,
+                       shared: object | None = None) -> Proposer:
+        """A per-request proposer of a kind that runs inside the coordinator; ``shared``:
+        its ``coordinator_state``."""
         raise ValueError(f"'{self.mode}' does not run inside the coordinator")
 
     def calibration_anchor(self, loaded: LoadedProposer, kv_len: int) -> Anchor:

@@ -41,5 +41,6 @@ class PromptLookupKind(ProposerKind):
     mode = "prompt_lookup"
     description = "n-gram copy from the context (no model)"
 
-    def local_proposer(self, speculative: SpeculativeConfig, num_drafts: int) -> Proposer:
+    def local_proposer(self, speculative: SpeculativeConfig, num_drafts: int, prompt_len: int = 0,
+                       shared: object | None = None) -> Proposer:
         return PromptLookupProposer(speculative.prompt_lookup_ngram, num_drafts)

@@ -18,9 +18,10 @@ from engine.speculative.proposers.kind import HeadKind, LoadedProposer, Proposer
 from engine.speculative.proposers.mtp import MtpKind
 from engine.speculative.proposers.prompt_lookup import PromptLookupKind
 from engine.speculative.proposers.shared_kv import SharedKvKind
+from engine.speculative.proposers.suffix import SuffixKind
 
 PROPOSER_KINDS: dict[str, ProposerKind] = {kind.mode: kind for kind in (
-    PromptLookupKind(), DraftModelKind(), MtpKind(), Eagle3Kind(), SharedKvKind())}
+    PromptLookupKind(), SuffixKind(), DraftModelKind(), MtpKind(), Eagle3Kind(), SharedKvKind())}
 MODEL_MODES = tuple(mode for mode, kind in PROPOSER_KINDS.items() if not kind.in_coordinator)
 HEAD_MODES = tuple(mode for mode, kind in PROPOSER_KINDS.items() if isinstance(kind, HeadKind))
 

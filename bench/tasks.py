@@ -1,0 +1,229 @@
+"""The task suite: every speculative mode on what users send, against target-only.
+
+    .venv/bin/python bench/tasks.py [--modes none prompt_lookup suffix eagle3 ...] [--target-format exact]
+        [--new-tokens 128] [--streams 1 32] [--threads 2] [--record DIR]
+
+Prompts come from ``bench/data/task_suite.json``, written for this bench (no test reads
+them), in three kinds:
+- grounded: code edits, renames, refactors, extraction, quoting, rewriting, JSON from
+  text, questions over a given passage -- answers that reuse their input;
+- agentic: loops under one system prompt and tool list, similar requests in a row, each
+  tool result fed back; every turn's history holds target-only's earlier replies;
+- chat: open questions.
+
+Greedy, EOS honoured, the engine's defaults (adaptive speculation). Requests run in the
+suite's order, each in every mode, the modes' order rotating from request to request
+(one interleaved run). Before every timed request the prefix cache is reset; the suffix
+cache is reset once after the warm-up, so a suffix-mode request drafts only from its own
+tokens and the earlier requests' outputs -- never from its own earlier output. Speed is
+decode tokens/s (first token to last) summed over a kind's requests (at several streams:
+a kind's tokens over the seconds its requests were decoding, summed); tau is tokens
+committed per target pass; every output is checked against target-only's. At N > 1
+streams (``--streams``, default 1 then 32) the suite's requests run N at a time, every
+mode on the same batches.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import record  # noqa: E402
+from engine import Engine, EngineConfig, GenerationOptions  # noqa: E402
+from engine.speculative.stats import SpeculativeStats  # noqa: E402
+
+SUITE = ROOT / "bench/data/task_suite.json"
+KINDS = ("grounded", "agentic", "chat")
+
+
+@dataclass
+class Tally:
+    tokens: int = 0
+    seconds: float = 0.0
+    requests: int = 0
+    identical: int = 0
+    stats: SpeculativeStats = field(default_factory=SpeculativeStats)
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def grounded_and_chat(suite: dict, kind: str) -> list[list[dict]]:
+    return [[{"role": "user", "content": task["prompt"]}] for task in suite[kind]]
+
+
+def run_one(engine: Engine, messages: list[dict], mode: str, new_tokens: int):
+    engine.reset_prefix_cache()
+    return engine.chat(messages, GenerationOptions(max_new_tokens=new_tokens, temperature=0, speculative_mode=mode))
+
+
+def run_many(engine: Engine, chats: list[list[dict]], mode: str, new_tokens: int) -> tuple[list, float]:
+    """``chats`` at once, one thread each (the engine batches them); their results and
+    the seconds from the first submission to the last reply."""
+    engine.reset_prefix_cache()
+    results: list = [None] * len(chats)
+    started = time.perf_counter()
+
+    def run(i: int) -> None:
+        results[i] = engine.chat(chats[i], GenerationOptions(max_new_tokens=new_tokens, temperature=0,
+                                                             speculative_mode=mode))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(chats))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    return results, time.perf_counter() - started
+
+
+def add(tally: Tally, result, expected: list[int]) -> None:
+    tally.tokens += result.completion_tokens - 1
+    tally.seconds += result.decode_seconds
+    tally.requests += 1
+    tally.identical += result.token_ids == expected
+    tally.stats.merge(result.speculative)
+
+
+def rotated(modes: list[str], n: int) -> list[str]:
+    shift = n % len(modes)
+    return modes[shift:] + modes[:shift]
+
+
+def one_stream(engine: Engine, suite: dict, modes: list[str], new_tokens: int) -> dict[str, dict[str, Tally]]:
+    tallies: dict[str, dict[str, Tally]] = {kind: defaultdict(Tally) for kind in KINDS}
+    counter = 0
+
+    def each_mode(kind: str, messages: list[dict]) -> list[int]:
+        nonlocal counter
+        results = {}
+        for mode in rotated(modes, counter):
+            results[mode] = run_one(engine, messages, mode, new_tokens)
+        counter += 1
+        expected = results["none"].token_ids
+        for mode, result in results.items():
+            add(tallies[kind][mode], result, expected)
+        print(f"  {kind:9s} {counter:3d}: {len(expected)} tokens, "
+              + ", ".join(f"{m} {r.speculative.mean_accepted_length:.2f}" for m, r in results.items()),
+              file=sys.stderr)
+        return results["none"]
+
+    for messages in grounded_and_chat(suite, "grounded"):
+        each_mode("grounded", messages)
+    for loop in suite["agentic"]:
+        history = [{"role": "system", "content": loop["system"]}]
+        for turn in loop["turns"]:
+            history.append({"role": "user", "content": turn["user"]})
+            call = each_mode("agentic", history)
+            history += [{"role": "assistant", "content": call.text},
+                        {"role": "user", "content": f"Tool result: {turn['tool_result']}"}]
+            reply = each_mode("agentic", history)
+            history.append({"role": "assistant", "content": reply.text})
+    for messages in grounded_and_chat(suite, "chat"):
+        each_mode("chat", messages)
+    return tallies
+
+
+def many_streams(engine: Engine, suite: dict, modes: list[str], new_tokens: int,
+                 streams: int) -> dict[str, dict[str, Tally]]:
+    """Every request of the suite, ``streams`` at a time, each mode on the same batches
+    (the modes' order rotating from batch to batch). The suite's requests are distinct,
+    so no request shares a batch with a copy of itself; the suffix cache is reset before
+    every mode's batch. The agentic loops need target-only's replies for their history:
+    their turns are built at one stream first (untimed)."""
+    tallies: dict[str, dict[str, Tally]] = {kind: defaultdict(Tally) for kind in (*KINDS, "all (wall clock)")}
+    requests = [("grounded", c) for c in grounded_and_chat(suite, "grounded")]
+    requests += [("agentic", c) for c in agentic_requests(engine, suite, new_tokens)]
+    requests += [("chat", c) for c in grounded_and_chat(suite, "chat")]
+    for mode in modes:  # untimed: the first calls at this width pay for their shapes (a cold one ran 0.65x)
+        run_many(engine, [chat for _, chat in requests[:streams]], mode, 8)
+    for n, start in enumerate(range(0, len(requests), streams)):
+        batch = requests[start:start + streams]
+        results, walls = {}, {}
+        for mode in rotated(modes, n):
+            engine.reset_suffix_cache()
+            results[mode], walls[mode] = run_many(engine, [chat for _, chat in batch], mode, new_tokens)
+        for mode, got in results.items():
+            whole = tallies["all (wall clock)"][mode]
+            for (kind, _), result, expected in zip(batch, got, results["none"]):
+                add(tallies[kind][mode], result, expected.token_ids)
+                add(whole, result, expected.token_ids)
+            whole.seconds += walls[mode] - sum(r.decode_seconds for r in got)  # the batch's wall clock
+        print(f"  batch {n + 1}: {len(batch)} streams done", file=sys.stderr)
+    return tallies
+
+
+def agentic_requests(engine: Engine, suite: dict, new_tokens: int) -> list[list[dict]]:
+    requests = []
+    for loop in suite["agentic"]:
+        history = [{"role": "system", "content": loop["system"]}]
+        for turn in loop["turns"]:
+            history.append({"role": "user", "content": turn["user"]})
+            requests.append(list(history))
+            call = run_one(engine, history, "none", new_tokens)
+            history += [{"role": "assistant", "content": call.text},
+                        {"role": "user", "content": f"Tool result: {turn['tool_result']}"}]
+            requests.append(list(history))
+            reply = run_one(engine, history, "none", new_tokens)
+            history.append({"role": "assistant", "content": reply.text})
+    return requests
+
+
+def report(tallies: dict[str, dict[str, Tally]], modes: list[str]) -> None:
+    print("| kind | mode | requests | tau | hit rate | decode tok/s | vs target-only | identical |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for kind in tallies:
+        base = tallies[kind]["none"].rate
+        for mode in modes:
+            t = tallies[kind][mode]
+            hits = f"{t.stats.hit_rate:.2f}" if t.stats.lookups else "-"
+            print(f"| {kind} | {mode} | {t.requests} | {t.stats.mean_accepted_length:.2f} | {hits} | {t.rate:.1f} | "
+                  f"{t.rate / base if base else 0:.2f}x | {t.identical}/{t.requests} |")
+    for kind in tallies:
+        best = max((m for m in modes if m != "none"), key=lambda m: tallies[kind][m].rate, default=None)
+        if best is not None:
+            base = tallies[kind]["none"].rate
+            print(f"best on {kind}: {best}, {tallies[kind][best].rate / base:.2f}x target-only")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="bundle directory (default: the default model)")
+    parser.add_argument("--modes", nargs="+", default=None, help="modes to run (default: every one loaded)")
+    parser.add_argument("--target-format", choices=("exact", "fast"), default="exact")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--threads", type=int, default=2)
+    record.add_option(parser)
+    args = parser.parse_args()
+    suite = json.loads(SUITE.read_text())
+    config = EngineConfig(target_format=args.target_format, intra_op_threads=args.threads)
+    with record.recording(args.record, "tasks", model=args.model), Engine(args.model, config) as engine:
+        modes = args.modes or engine.available_modes
+        if "none" not in modes:
+            modes = ["none", *modes]
+        for mode in modes:  # warm-up, on text outside the suite
+            engine.chat([{"role": "user", "content": "Say hello."}], GenerationOptions(max_new_tokens=16,
+                                                                                      speculative_mode=mode))
+        for streams in args.streams:
+            engine.reset_suffix_cache()
+            print(f"task suite: {args.target_format} format, greedy, EOS honoured, at most {args.new_tokens} tokens, "
+                  f"{streams} stream(s), {args.threads} threads, adaptive speculation (the default)\n")
+            if streams == 1:
+                tallies = one_stream(engine, suite, modes, args.new_tokens)
+            else:
+                tallies = many_streams(engine, suite, modes, args.new_tokens, streams)
+            report(tallies, modes)
+            print()
+
+
+if __name__ == "__main__":
+    main()
