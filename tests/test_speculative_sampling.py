@@ -212,9 +212,10 @@ def test_suffix_sampling_drafting_from_other_requests_matches_the_target_distrib
     still leave each sample distributed as the target's."""
     _, table = bigram_bundle
     bigram_engine.reset_suffix_cache()
-    samples = draw(bigram_engine, "suffix", DRAWS, first_seed=1, seeded=False)
+    draws = DRAWS // 2  # the draft model's tests above cover the rule at full power; this is its suffix use
+    samples = draw(bigram_engine, "suffix", draws, first_seed=1, seeded=False)
     stats = bigram_engine.cumulative_stats["suffix"]
-    assert stats.proposed_tokens > DRAWS and 0.2 < stats.acceptance_rate < 0.95
+    assert stats.proposed_tokens > draws and 0.2 < stats.acceptance_rate < 0.95
     assert bigram_engine.reset_suffix_cache() > 0  # the samples' outputs were there to draft from
     assert chi_square_p_value(samples, exact_distribution(table)) > 0.01
 
