@@ -55,7 +55,7 @@ class SpeculativeConfig(BaseModel):
         "falls below this"))
     suffix_min_match: int = Field(3, ge=2, le=64, description=(
         "shorter suffix matches draft nothing: a 2-token match's first draft is accepted about a third of the "
-        "time, which a verify does not pay for (docs/speculative-decoding.md#suffix)"))
+        "time, which a verify does not pay for (docs/speculative-decoding.md#suffix-decoding)"))
     suffix_max_cached_requests: int = Field(10000, ge=0, description=(
         "earlier suffix-mode outputs a coordinator (the engine, or one router replica) drafts from, oldest "
         "evicted first; 0 drafts from each request's own tokens only"))

@@ -14,7 +14,7 @@ context's last bigram (the most recent ``max_candidates`` of them), extends each
 backwards, and counts continuations over the positions whose match is at least each
 length -- exactly the counts a depth-limited suffix tree keeps at that node. A Python
 tree would hold a node per (position, depth): 24 nodes per token, where the index holds
-one entry per token (docs/speculative-decoding.md#suffix).
+one entry per token (docs/speculative-decoding.md#suffix-decoding).
 """
 from __future__ import annotations
 

@@ -20,7 +20,8 @@ OWN = 0  # the request's own sequence id in its private index
 
 # Drafts of longer matches are accepted far more often: over the task suite, a first
 # draft 0.36 of the time after a 2-token match, 0.5 after 3-4, 0.8 after 5-7, 0.95 after
-# 8 or more (docs/speculative-decoding.md#suffix). The planner learns each class apart.
+# 8 or more (docs/speculative-decoding.md#suffix-decoding); under 3 they draft nothing
+# (``SuffixParams.min_match``). The planner learns each class apart.
 MATCH_CLASSES = ((8, "match8+"), (5, "match5-7"), (3, "match3-4"), (0, "match2"))
 
 
