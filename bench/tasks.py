@@ -32,12 +32,13 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
-from engine import Engine, EngineConfig, GenerationOptions  # noqa: E402
+from engine import Engine, EngineConfig, GenerationOptions, GenerationResult  # noqa: E402
 from engine.speculative.stats import SpeculativeStats  # noqa: E402
 
 SUITE = ROOT / "bench/data/task_suite.json"
@@ -102,7 +103,7 @@ def one_stream(engine: Engine, suite: dict, modes: list[str], new_tokens: int) -
     tallies: dict[str, dict[str, Tally]] = {kind: defaultdict(Tally) for kind in KINDS}
     counter = 0
 
-    def each_mode(kind: str, messages: list[dict]) -> list[int]:
+    def each_mode(kind: str, messages: list[dict]) -> GenerationResult:
         nonlocal counter
         results = {}
         for mode in rotated(modes, counter):
@@ -118,15 +119,7 @@ def one_stream(engine: Engine, suite: dict, modes: list[str], new_tokens: int) -
 
     for messages in grounded_and_chat(suite, "grounded"):
         each_mode("grounded", messages)
-    for loop in suite["agentic"]:
-        history = [{"role": "system", "content": loop["system"]}]
-        for turn in loop["turns"]:
-            history.append({"role": "user", "content": turn["user"]})
-            call = each_mode("agentic", history)
-            history += [{"role": "assistant", "content": call.text},
-                        {"role": "user", "content": f"Tool result: {turn['tool_result']}"}]
-            reply = each_mode("agentic", history)
-            history.append({"role": "assistant", "content": reply.text})
+    agentic_requests(suite, lambda history: each_mode("agentic", history))
     for messages in grounded_and_chat(suite, "chat"):
         each_mode("chat", messages)
     return tallies
@@ -141,7 +134,7 @@ def many_streams(engine: Engine, suite: dict, modes: list[str], new_tokens: int,
     their turns are built at one stream first (untimed)."""
     tallies: dict[str, dict[str, Tally]] = {kind: defaultdict(Tally) for kind in (*KINDS, "all (wall clock)")}
     requests = [("grounded", c) for c in grounded_and_chat(suite, "grounded")]
-    requests += [("agentic", c) for c in agentic_requests(engine, suite, new_tokens)]
+    requests += [("agentic", c) for c in agentic_requests(suite, lambda h: run_one(engine, h, "none", new_tokens))]
     requests += [("chat", c) for c in grounded_and_chat(suite, "chat")]
     for mode in modes:  # untimed: the first calls at this width pay for their shapes (a cold one ran 0.65x)
         run_many(engine, [chat for _, chat in requests[:streams]], mode, 8)
@@ -161,19 +154,20 @@ def many_streams(engine: Engine, suite: dict, modes: list[str], new_tokens: int,
     return tallies
 
 
-def agentic_requests(engine: Engine, suite: dict, new_tokens: int) -> list[list[dict]]:
+def agentic_requests(suite: dict, answer: Callable[[list[dict]], GenerationResult]) -> list[list[dict]]:
+    """Every agentic request in order, each history ending in a user message: a loop's
+    turns, with ``answer``'s reply to each (target-only's: every mode's is the same) and
+    the tool result fed back."""
     requests = []
     for loop in suite["agentic"]:
         history = [{"role": "system", "content": loop["system"]}]
         for turn in loop["turns"]:
             history.append({"role": "user", "content": turn["user"]})
             requests.append(list(history))
-            call = run_one(engine, history, "none", new_tokens)
-            history += [{"role": "assistant", "content": call.text},
+            history += [{"role": "assistant", "content": answer(history).text},
                         {"role": "user", "content": f"Tool result: {turn['tool_result']}"}]
             requests.append(list(history))
-            reply = run_one(engine, history, "none", new_tokens)
-            history.append({"role": "assistant", "content": reply.text})
+            history.append({"role": "assistant", "content": answer(history).text})
     return requests
 
 

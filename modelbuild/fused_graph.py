@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import onnx
@@ -146,6 +146,28 @@ class HalfSafetensors:
         return output
 
 
+class LlamaDims(NamedTuple):
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    vocab: int
+    eps: float
+
+
+def read_llama_config(model_dir: Path) -> tuple[dict, LlamaDims]:
+    """A plain Llama checkpoint's config.json and its dimensions; anything else is refused."""
+    config = json.loads((model_dir / "config.json").read_text())
+    if config.get("model_type") != "llama" or config.get("rope_scaling"):
+        raise ValueError(f"{model_dir}: only plain Llama (no rope scaling) is supported, got {config.get('model_type')}")
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    return config, LlamaDims(hidden, int(config["num_hidden_layers"]), heads, int(config["num_key_value_heads"]),
+                             int(config.get("head_dim") or hidden // heads), int(config["intermediate_size"]),
+                             int(config["vocab_size"]), float(config["rms_norm_eps"]))
+
+
 def _rotary_caches(config: dict, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
     theta = float(config.get("rope_theta", 10000.0))
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
@@ -162,13 +184,7 @@ def build_fused_decoder(model_dir: Path, out_path: Path, aux_layers: tuple[int, 
     model.safetensors); ``aux_layers`` adds ``aux_hidden.{j}``, the residual stream
     entering layer j (HF ``hidden_states[j]``). ``in_place``: the batch-1 twin with one
     shared past/present buffer per sequence (module docstring)."""
-    config = json.loads((model_dir / "config.json").read_text())
-    if config.get("model_type") != "llama" or config.get("rope_scaling"):
-        raise ValueError(f"{model_dir}: only plain Llama (no rope scaling) is supported, got {config.get('model_type')}")
-    hidden, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
-    heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
-    head_dim = int(config.get("head_dim") or hidden // heads)
-    inter, vocab, eps = int(config["intermediate_size"]), int(config["vocab_size"]), float(config["rms_norm_eps"])
+    config, (hidden, layers, heads, kv_heads, head_dim, inter, vocab, eps) = read_llama_config(model_dir)
     weights = weights or HalfSafetensors(model_dir / WEIGHTS_FILE)
     g = _Graph()
 

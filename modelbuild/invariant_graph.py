@@ -34,13 +34,13 @@ and up are one product.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 from onnx import TensorProto, helper
 
-from .fused_graph import MS, HalfSafetensors, WeightSource, _Graph, _rotary_caches, input_norm, save_decoder
+from .fused_graph import (MS, HalfSafetensors, WeightSource, _Graph, _rotary_caches, input_norm, read_llama_config,
+                          save_decoder)
 from .weights_file import WEIGHTS_FILE, aux_output_name
 
 OPSET = 24  # TensorScatter, the in-place write
@@ -52,13 +52,7 @@ def build_invariant_decoder(model_dir: Path, out_path: Path, aux_layers: tuple[i
     ``fused_graph.build_fused_decoder`` (``input_ids``, ``attention_mask``, ``position_ids``
     unless ``in_place``, ``past_key_values.*`` in; ``logits``, ``present.*``,
     ``hidden_states``, ``aux_hidden.*`` out), row-invariant (module docstring)."""
-    config = json.loads((model_dir / "config.json").read_text())
-    if config.get("model_type") != "llama" or config.get("rope_scaling"):
-        raise ValueError(f"{model_dir}: only plain Llama (no rope scaling) is supported, got {config.get('model_type')}")
-    hidden, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
-    heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
-    head_dim = int(config.get("head_dim") or hidden // heads)
-    inter, vocab, eps = int(config["intermediate_size"]), int(config["vocab_size"]), float(config["rms_norm_eps"])
+    config, (hidden, layers, heads, kv_heads, head_dim, inter, vocab, eps) = read_llama_config(model_dir)
     weights = weights or HalfSafetensors(model_dir / WEIGHTS_FILE)
     g = _Graph()
     g.flat_rows = True  # the weights may use 2-D-only ops (Gemm)
