@@ -17,8 +17,9 @@ trailing zero terms.
 So the attention is written out: per (sequence, KV head) one product whose rows are the
 group's query heads over the call's tokens (three or more rows for SmolLM2's 9/3 heads; a
 lone row is padded with a zero row), every key slot past a row's position closed with
-``-inf`` before ``Softmax``, and the value product over the whole buffer, where closed
-slots weigh exactly 0. A row's real keys always sit at the same slots, ``[0, length)``:
+``-inf`` before ``Softmax``, and the value product over the buffer's first mask-width
+slots (every row's live ones; the rest would only add closed slots), where closed slots
+weigh exactly 0. A row's real keys always sit at the same slots, ``[0, length)``:
 
 - ``in_place=True`` (served calls on CPU, any batch): one buffer per layer, bound as past
   and present, ``[B, kv_heads, capacity, head_dim]``; ``TensorScatter`` writes each
@@ -125,7 +126,12 @@ class _Attention:
             self.write_index = g.one("Sub", [filled, new])
             self.position_ids = g.one("Add", [g.one("Unsqueeze", [self.write_index, c("att.axis1b", [1])]),
                                               g.one("Unsqueeze", [steps, c("att.axis0", [0])])])  # [B, S]
-            slots = g.one("Gather", [g.one("Shape", ["past_key_values.0.key"]), c("att.index2", 2)])
+            # The products read slots [0, mask width) of the buffer, not all of it: every
+            # row's live slots lie below the mask's width, and the rest would only add
+            # closed slots (docs/models.md, where the fast step's time goes).
+            slots = g.one("Gather", [g.one("Shape", ["attention_mask"]), one])
+            self.read_slots = (c("att.read_start", [0]), g.one("Unsqueeze", [slots, c("att.axis0s", [0])]),
+                               c("att.read_axis", [2]))
             open_ = g.one("LessOrEqual", [
                 g.one("Unsqueeze", [g.one("Range", [zero, slots, one]), c("att.axes01", [0, 1])]),  # [1, 1, T]
                 g.one("Unsqueeze", [self.position_ids, c("att.axis2", [2])])])                   # [B, S, 1]
@@ -194,10 +200,13 @@ class _Attention:
         rows = g.one("Reshape", [query, self.group_rows])                          # [B, kvh, G*S, hd]
         if self.pad_row:
             rows = g.one("Pad", [rows, c(f"att.pad_rows{i}", [0, 0, 0, 0, 0, 0, 1, 0])])
-        scores = g.one("FusedMatMul", [rows, present[0]], domain=MS, transA=0, transB=1,
+        keys_read, values_read = present
+        if self.in_place:
+            keys_read, values_read = (g.one("Slice", [buffer, *self.read_slots]) for buffer in present)
+        scores = g.one("FusedMatMul", [rows, keys_read], domain=MS, transA=0, transB=1,
                        alpha=float(self.head_dim ** -0.5))                          # [B, kvh, G*S, T]
         probs = g.one("Softmax", [g.one("Add", [scores, self.bias])], axis=-1)
-        out = g.one("MatMul", [probs, present[1]])                                  # [B, kvh, G*S, hd]
+        out = g.one("MatMul", [probs, values_read])                                 # [B, kvh, G*S, hd]
         if self.pad_row:
             out = g.one("Slice", [out, c(f"att.row_start{i}", [0]), c(f"att.row_end{i}", [-1]), c(f"att.row_axis{i}", [2])])
         by_token = g.one("Transpose", [g.one("Reshape", [out, self.heads_shape])], perm=[0, 2, 1, 3])  # [B, S, H, hd]
