@@ -136,7 +136,12 @@ def many_streams(engine: Engine, suite: dict, modes: list[str], new_tokens: int,
     requests = [("grounded", c) for c in grounded_and_chat(suite, "grounded")]
     requests += [("agentic", c) for c in agentic_requests(suite, lambda h: run_one(engine, h, "none", new_tokens))]
     requests += [("chat", c) for c in grounded_and_chat(suite, "chat")]
-    for mode in modes:  # untimed: the first calls at this width pay for their shapes (a cold one ran 0.65x)
+    # Untimed: the first calls at this width pay for their shapes (a cold one ran 0.65x), and
+    # the first batch decoded to full length pays for onnxruntime's buffers growing to its
+    # longest pasts: timed, whichever mode ran first lost a quarter of its speed (24.4 s
+    # against 33.0 s for the same 32 target-only requests, back to back).
+    run_many(engine, [chat for _, chat in requests[:streams]], "none", new_tokens)
+    for mode in modes:
         run_many(engine, [chat for _, chat in requests[:streams]], mode, 8)
     for n, start in enumerate(range(0, len(requests), streams)):
         batch = requests[start:start + streams]
@@ -192,7 +197,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="bundle directory (default: the default model)")
     parser.add_argument("--modes", nargs="+", default=None, help="modes to run (default: every one loaded)")
-    parser.add_argument("--target-format", choices=("exact", "fast"), default="exact")
+    parser.add_argument("--target-format", choices=("auto", "exact", "fast"), default="auto")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--threads", type=int, default=2)
