@@ -56,7 +56,7 @@ def _add_common(gen: argparse.ArgumentParser) -> None:
     shape.add_argument("--choice", action="append", default=None, help="the output must be one of these (repeatable)")
     gen.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     gen.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
-    gen.add_argument("--target-format", choices=["exact", "fast"], default="exact",
+    gen.add_argument("--target-format", choices=["auto", "exact", "fast"], default="auto",
                      help="the target's format (docs/models.md): fast = int8 activations, lossless at any batch; "
                           "exact = the file's weights in float32")
     gen.add_argument("--no-stream", action="store_true", help="print the text only when finished")

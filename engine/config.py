@@ -125,11 +125,13 @@ class EngineConfig(BaseModel):
         "start with the same tokens (vLLM's automatic prefix caching). None: on, unless sliding_window is set "
         "(a window evicts from the middle of a prompt); true with a window is refused"))
     max_context: int | None = Field(None, ge=2, description="override the model's context limit (tokens)")
-    target_format: Literal["exact", "fast"] = Field("exact", description=(
-        "the target's graph family (docs/models.md, formats): 'exact' computes the file's weights in float32 "
-        "(logits within 2.5e-4 of transformers'); 'fast' computes a converted GGUF's own blocks with int8 "
-        "activations in row-invariant graphs: 1.6x the tokens/s at batch 1, lossless at any batch (checked at "
-        "load; a CPU that fails the check is served 'exact'), about as close to float32 as llama.cpp"))
+    target_format: Literal["auto", "exact", "fast"] = Field("auto", description=(
+        "the target's graph family (docs/models.md, formats): 'fast' computes a converted GGUF's own blocks "
+        "with int8 activations in row-invariant graphs: ~1.5x the tokens/s of 'exact' at batch 1, lossless at "
+        "any batch (checked at load; a CPU that fails the check is served 'exact'), closer to float32 than "
+        "llama.cpp; 'exact' computes the file's weights in float32 (logits within 2.5e-4 of transformers'); "
+        "'auto' (the default): 'fast' where the bundle has it (a converted GGUF, the default model), else "
+        "'exact'"))
     in_place_kv: bool = Field(True, description=(
         "run calls on a model's in-place graphs where it ships them (model.inplace.onnx at batch 1; the fast "
         "format's at any batch): one preallocated KV buffer per sequence that the session writes in place, so no "

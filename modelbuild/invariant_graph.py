@@ -14,12 +14,13 @@ norms, rotary, elementwise ops, ``Softmax`` over any number of trailing ``-inf``
 MLAS's general product at two rows or more, whatever the row count and however many
 trailing zero terms.
 
-So the attention is written out: per (sequence, KV head) one product whose rows are the
-group's query heads over the call's tokens (three or more rows for SmolLM2's 9/3 heads; a
-lone row is padded with a zero row), every key slot past a row's position closed with
-``-inf`` before ``Softmax``, and the value product over the buffer's first mask-width
-slots (every row's live ones; the rest would only add closed slots), where closed slots
-weigh exactly 0. A row's real keys always sit at the same slots, ``[0, length)``:
+So attention never runs a one-row product: per (sequence, KV head) the ONNX ``Attention``
+op gets one query whose rows are the group's query heads over the call's tokens (three
+or more rows for SmolLM2's 9/3 heads; a lone row is padded with a zero row) and an
+additive mask that closes every key slot past a row's position with ``-inf``; it reads
+the buffer's first mask-width slots (every row's live ones; the rest would only add
+closed slots), where closed slots weigh exactly 0. A row's real keys always sit at the
+same slots, ``[0, length)``:
 
 - ``in_place=True`` (served calls on CPU, any batch): one buffer per layer, bound as past
   and present, ``[B, kv_heads, capacity, head_dim]``; ``TensorScatter`` writes each
@@ -31,7 +32,8 @@ weigh exactly 0. A row's real keys always sit at the same slots, ``[0, length)``
 
 The residual stream flows as rows ``[B*S, hidden]``, which lets the GGUF's Q4_1 block
 correction (``modelbuild.from_gguf.weights``) add into the product in one ``Gemm``; gate
-and up are one product.
+and up are one product. Every row-local op keeps the property: ``MatMulNBits`` at either
+accuracy level, the norms, rotary, elementwise ops, and the LM head's two-row refinement.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from .fused_graph import (MS, HalfSafetensors, WeightSource, _Graph, _rotary_caches, input_norm, read_llama_config,
-                          save_decoder)
+                          save_decoder, skip_norm)
 from .weights_file import WEIGHTS_FILE, aux_output_name
 
 OPSET = 24  # TensorScatter, the in-place write
@@ -77,16 +79,13 @@ def build_invariant_decoder(model_dir: Path, out_path: Path, aux_layers: tuple[i
         presents += present
         attn_out = weights.linear(g, attended, [p + "self_attn.o_proj.weight"], [hidden], heads * head_dim)
         post_w = weights.vector(g, p + "post_attention_layernorm.weight", hidden)
-        normed, _, _, residual = g.node("SkipSimplifiedLayerNormalization", [attn_out, residual, post_w],
-                                        n_out=4, domain=MS, epsilon=eps)
+        normed, residual = skip_norm(g, attn_out, residual, post_w, eps)
         gate_up = weights.linear(g, normed, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], [inter, inter], hidden)
         gate, up = g.node("Split", [gate_up, g.const(f"gate_up_split{i}", np.array([inter, inter], np.int64))],
                           n_out=2, axis=-1)
         act = g.one("Mul", [g.one("Mul", [gate, g.one("Sigmoid", [gate])]), up])
         pending = weights.linear(g, act, [p + "mlp.down_proj.weight"], [hidden], inter)
-    final, _, _, residual = g.node("SkipSimplifiedLayerNormalization",
-                                   [pending, residual, weights.vector(g, "model.norm.weight", hidden)],
-                                   n_out=4, domain=MS, epsilon=eps)
+    final, residual = skip_norm(g, pending, residual, weights.vector(g, "model.norm.weight", hidden), eps)
     if layers in aux_layers:
         aux_outputs[layers] = residual
     logits = weights.linear(g, final, ["lm_head.weight"], [vocab], hidden)
@@ -203,10 +202,11 @@ class _Attention:
         keys_read, values_read = present
         if self.in_place:
             keys_read, values_read = (g.one("Slice", [buffer, *self.read_slots]) for buffer in present)
-        scores = g.one("FusedMatMul", [rows, keys_read], domain=MS, transA=0, transB=1,
-                       alpha=float(self.head_dim ** -0.5))                          # [B, kvh, G*S, T]
-        probs = g.one("Softmax", [g.one("Add", [scores, self.bias])], axis=-1)
-        out = g.one("MatMul", [probs, values_read])                                 # [B, kvh, G*S, hd]
+        # The ONNX Attention op over the grouped rows: per (sequence, KV head) the same
+        # products as written out (G*S rows, never one), in one node instead of four
+        # (0.4 ms a step less, docs/models.md), and as invariant (tests/test_target_formats.py).
+        out = g.one("Attention", [rows, keys_read, values_read, self.bias],
+                    scale=float(self.head_dim ** -0.5))                             # [B, kvh, G*S, hd]
         if self.pad_row:
             out = g.one("Slice", [out, c(f"att.row_start{i}", [0]), c(f"att.row_end{i}", [-1]), c(f"att.row_axis{i}", [2])])
         by_token = g.one("Transpose", [g.one("Reshape", [out, self.heads_shape])], perm=[0, 2, 1, 3])  # [B, S, H, hd]

@@ -32,7 +32,9 @@ from .conftest import CPU_CONFIG, served_every_mode
 
 ROOT = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 32
-CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+# Japan, not France: there float32 leads "The" over "L" by 0.08 logits at the first token, and
+# the default (fast) format answers "L'Étoile, ..." as llama.cpp does (docs/models.md, fidelity).
+CAPITAL = [{"role": "user", "content": "What is the capital of Japan?"}]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +52,7 @@ def test_the_bundle_records_the_gguf_it_was_converted_from():
 
 def test_engine_with_no_argument_answers_a_chat_question_correctly(default_engine):
     result = default_engine.chat(CAPITAL, GenerationOptions(max_new_tokens=40, temperature=0))
-    assert result.text == "The capital of France is Paris."
+    assert result.text == "The capital of Japan is Tokyo."
     assert result.finish_reason == "stop" and result.token_ids[-1] == 2  # <|im_end|> ends the turn
     assert default_engine.bundle.directory.resolve() == DEFAULT_MODEL_DIR.resolve()
 
@@ -121,7 +123,7 @@ def test_served_chat_names_the_model_and_matches_the_engine_in_every_mode(served
     client = openai.OpenAI(base_url=f"{served}/v1", api_key="none", max_retries=0, timeout=120)
     assert [m.id for m in client.models.list().data] == [DEFAULT_MODEL_NAME]
     answer = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=CAPITAL, max_tokens=40, temperature=0)
-    assert answer.choices[0].message.content == "The capital of France is Paris."
+    assert answer.choices[0].message.content == "The capital of Japan is Tokyo."
     assert answer.model == DEFAULT_MODEL_NAME and answer.choices[0].finish_reason == "stop"
     options = GenerationOptions(max_new_tokens=NEW_TOKENS, temperature=0)
     for messages in chats[:4]:
@@ -134,7 +136,7 @@ def test_served_chat_names_the_model_and_matches_the_engine_in_every_mode(served
 
 
 def test_served_every_mode_at_1_and_32_streams_is_the_engines_target_only(served, default_engine, chats):
-    """The exact format (the default) through the server; the fast format's twin of this
+    """The fast format (the default) through the server; the exact format's twin of this
     test is in test_target_formats.py."""
     served_every_mode(served, default_engine, chats[:8], streams=32, new_tokens=24)
 

@@ -83,13 +83,13 @@ def test_serve_run_serves_the_shipped_config(tmp_path, default_engine):
             assert time.monotonic() < deadline, "serve run did not become healthy in 240 s"
             time.sleep(2)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
-        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        messages = [{"role": "user", "content": "What is the capital of Japan?"}]
         response = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=16,
                                                   temperature=0, extra_body={"return_token_ids": True})
         expected = default_engine.chat(messages, GenerationOptions(max_new_tokens=16, temperature=0))
         assert response.model_extra["speculative"]["mode"] == default_engine.default_mode  # the config's "auto"
         assert response.choices[0].model_extra["token_ids"] == expected.token_ids
-        assert response.choices[0].message.content == "The capital of France is Paris."
+        assert response.choices[0].message.content == "The capital of Japan is Tokyo."
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGINT)  # as Ctrl-C: Serve and its Ray shut down

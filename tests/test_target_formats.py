@@ -6,7 +6,7 @@ its graphs compute every row alike whatever the call holds. So the proof is bitw
 the graph (a position by one-token steps, inside verifies of every width, in a batch of
 32 beside other sequences) and through the engine (every mode at 1 and 32 streams, and a
 tie built at a real position, which any difference between two computations of it would
-break), served too. The exact format, the default, passes the same engine checks."""
+break), served too. The exact format, the option, passes the same engine checks."""
 from __future__ import annotations
 
 import json
@@ -93,15 +93,25 @@ def test_a_sequence_is_the_same_bits_in_a_batch_of_32_whatever_its_neighbours(fa
 
 
 @pytest.fixture(scope="module")
-def fast_engine():
-    with Engine(config=CPU_CONFIG.model_copy(update={"target_format": "fast"})) as engine:
+def fast_engine(default_engine):
+    return default_engine  # the default model's default format
+
+
+@pytest.fixture(scope="module")
+def exact_engine():
+    with Engine(config=CPU_CONFIG.model_copy(update={"target_format": "exact"})) as engine:
         yield engine
 
 
-def test_the_default_engine_serves_the_exact_format_and_the_fast_one_is_an_option(default_engine, fast_engine):
-    assert default_engine.target.family.name == "exact" and default_engine.target.row_buffers is None
-    assert fast_engine.target.family.name == "fast"
-    assert fast_engine.target.in_place.batched and fast_engine.target.row_buffers is not None
+def test_the_default_engine_serves_the_fast_format_and_the_exact_one_is_an_option(default_engine, exact_engine):
+    assert default_engine.target.family.name == "fast"
+    assert default_engine.target.in_place.batched and default_engine.target.row_buffers is not None
+    assert exact_engine.target.family.name == "exact" and exact_engine.target.row_buffers is None
+
+
+def test_a_bundle_without_a_fast_format_serves_the_exact_one_by_default():
+    with Engine(TARGET_DIR.parent, CPU_CONFIG) as engine:
+        assert engine.target.family.name == "exact"
 
 
 def _concurrent_modes(engine: Engine, chats: list[list[dict]], extra: dict | None = None) -> tuple[list, list]:
@@ -161,8 +171,8 @@ def test_a_constructed_near_tie_is_decided_as_target_only_decides_it_in_every_mo
         assert fast_engine.chat(near_tie["chat"], options).token_ids == reply, mode
 
 
-def test_the_exact_format_every_mode_at_32_streams_is_target_only(default_engine, chats):
-    expected, got = _concurrent_modes(default_engine, chats[:8])
+def test_the_exact_format_every_mode_at_32_streams_is_target_only(exact_engine, chats):
+    expected, got = _concurrent_modes(exact_engine, chats[:8])
     assert got == expected
 
 
@@ -185,16 +195,16 @@ def test_asking_a_bundle_without_a_fast_format_for_it_is_a_clear_load_error():
 
 
 @pytest.fixture(scope="module")
-def fast_model_server() -> str:
-    """The default model served in the fast format (every head, adaptive on). Its tests
+def exact_model_server() -> str:
+    """The default model served in the exact format (every head, adaptive on). Its tests
     run after every other test but before the default server's
     (``pytest_collection_modifyitems``): one local Ray at a time."""
     args = {"model_dir": str(DEFAULT_MODEL_DIR), "served_model_name": None,
-            "engine": {"target_format": "fast", "speculative": {"default_mode": "auto", "adaptive": True}}}
+            "engine": {"target_format": "exact", "speculative": {"default_mode": "auto", "adaptive": True}}}
     with running_server(args) as url:
         yield url
 
 
-def test_served_in_the_fast_format_every_mode_at_1_and_32_streams_is_target_only(fast_model_server, fast_engine,
-                                                                                  chats):
-    served_every_mode(fast_model_server, fast_engine, chats[:8], streams=STREAMS, new_tokens=NEW_TOKENS)
+def test_served_in_the_exact_format_every_mode_at_1_and_32_streams_is_target_only(exact_model_server, exact_engine,
+                                                                                   chats):
+    served_every_mode(exact_model_server, exact_engine, chats[:8], streams=STREAMS, new_tokens=NEW_TOKENS)

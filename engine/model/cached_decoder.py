@@ -50,16 +50,23 @@ class CachedDecoder:
     """A decoder, its tokenizer and a paged KV cache sized for it, checked to agree."""
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, owns_cores: bool = True,
-                 graph_format: TargetFormat = "exact") -> None:
+                 graph_format: TargetFormat = "auto") -> None:
         """``owns_cores``: the process runs only this engine (in-process) rather than one
         Ray replica among several; it decides ``thread_spinning="auto"``. ``graph_format``:
         the graph family to serve (``engine.model.graph_family``); the target's comes from
         ``EngineConfig.target_format``."""
         self.config = config or EngineConfig()
         spinning = self.config.spinning(owns_cores)
-        self.family: GraphFamily = graph_family(Path(model_dir), graph_format)
+        in_place = self.config.in_place_kv and self.config.sliding_window is None and self.config.device != "cuda"
+        self.family: GraphFamily = graph_family(Path(model_dir), graph_format, in_place)
         self.decoder = OnnxDecoder(model_dir, self.config.device, self.config.intra_op_threads,
                                    onnx_file=self.family.standard, thread_spinning=spinning)
+        if (graph_format == "auto" and self.family.row_invariant
+                and self.decoder.session.get_providers()[0] != "CPUExecutionProvider"):
+            # Device "auto" found CUDA: the fast family's graphs are checked row-invariant on CPU only.
+            self.family = EXACT
+            self.decoder = OnnxDecoder(model_dir, self.config.device, self.config.intra_op_threads,
+                                       onnx_file=EXACT.standard, thread_spinning=spinning)
         self.tokenizer = TextTokenizer(model_dir)
         vocab = self.decoder.vocab_size
         if self.tokenizer.vocab_size > vocab:

@@ -13,7 +13,9 @@ A GGUF converts into two families over one weights file (``modelbuild.from_gguf`
   (``engine.model.in_place``). Every other bundle (the fixture, a converted checkpoint)
   has only this family.
 
-``exact`` is the default (``EngineConfig.target_format``; why: docs/models.md).
+``EngineConfig.target_format`` defaults to ``auto``: the fast family where the bundle has
+one, whose fidelity to float32 measures above llama.cpp's (docs/models.md, fidelity), and
+the exact one elsewhere.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from typing import Literal
 from engine.errors import ModelLoadError
 from engine.model.in_place import IN_PLACE_FILE, STEP_FILE
 
-TargetFormat = Literal["exact", "fast"]
+TargetFormat = Literal["auto", "exact", "fast"]
 FAST_FILE = "model.fast.onnx"
 FAST_IN_PLACE_FILE = "model.fast.inplace.onnx"
 
@@ -46,8 +48,12 @@ def has_fast_family(model_dir: Path) -> bool:
     return (model_dir / FAST_FILE).is_file() and (model_dir / FAST_IN_PLACE_FILE).is_file()
 
 
-def graph_family(model_dir: Path, wanted: TargetFormat) -> GraphFamily:
-    """The family serving format ``wanted`` from ``model_dir``."""
+def graph_family(model_dir: Path, wanted: TargetFormat, in_place: bool = True) -> GraphFamily:
+    """The family serving format ``wanted`` from ``model_dir``. ``auto``: the fast one where
+    it exists and its in-place graph will serve (``in_place``: CPU, no sliding window),
+    since only that graph is checked row-invariant at load."""
+    if wanted == "auto":
+        return FAST if in_place and has_fast_family(model_dir) else EXACT
     if wanted == "fast" and not has_fast_family(model_dir):
         raise ModelLoadError(f"{model_dir} has no fast format ({FAST_FILE} and {FAST_IN_PLACE_FILE}): a GGUF "
                              f"converts into it (python -m modelbuild.convert --gguf); use target_format 'exact' "

@@ -48,6 +48,9 @@ from .weights import DATA_FILE, ExternalData, GgufWeights
 
 FINAL_HIDDEN = "hidden_states"
 FAST_WEIGHTS = "q4_1"  # the file's own blocks; its Q8_0 table as 8-bit MatMulNBits
+# Raised whenever the fast graphs change, so that an installed bundle converted by an
+# older builder is converted again (``modelbuild.default_model.is_current`` reads the notes).
+FAST_REVISION = 2
 TWIN_TOLERANCE = 1e-4  # relative; float32 rounding of the two attention ops measures ~4e-6 on SmolLM2
 
 
@@ -137,7 +140,8 @@ def served_as(weight_format: str, accuracy_level: int = 0, step_format: str | No
     """The manifest's record of the formats (``ConversionRecord.notes``)."""
     level = f", accuracy_level {accuracy_level}" if accuracy_level else ""
     steps = f"; single-token calls at batch 1 as {step_format}" if step_format and step_format != weight_format else ""
-    fast_format = f"; fast format: {FAST_WEIGHTS}, accuracy_level 4, row-invariant graphs" if fast else ""
+    fast_format = (f"; fast format: {FAST_WEIGHTS}, accuracy_level 4, row-invariant graphs (revision {FAST_REVISION})"
+                   if fast else "")
     return f"exact format: weights served as {weight_format}{level}{steps}{fast_format}"
 
 

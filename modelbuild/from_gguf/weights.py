@@ -7,8 +7,10 @@ one of three formats, chosen by measurement (``docs/models.md``):
   ``x`` times ``8d + m`` (a ``[.., K/32] x [K/32, N]`` product). Exact, and with no float
   zero points (onnxruntime's slow path, ~10x, ``/work/shared/docs/architecture.md``).
   The Q8_0 embedding table serves as a ``MatMulNBits`` of 8 bits (q + 128, zero point 128):
-  exact too. ``accuracy_level`` 4 makes onnxruntime quantise activations to int8: faster
-  for some shapes, no longer exact.
+  exact too. ``accuracy_level`` 4 makes onnxruntime quantise activations to int8: faster,
+  no longer exact. There the block sums are those of the activations as quantised (extra
+  rows of the same product), and the LM head's activations are refined by a second row
+  (``_refined``): the fast format's choices, by fidelity (``docs/models.md``).
 - ``fp32``: every matrix dequantised to float32 (the same values, four times the bytes).
 - ``int8``: every matrix re-quantised to 8 bits per 32-weight block with a uint8 zero
   point (round to nearest): close to the file's weights, not equal.
@@ -112,6 +114,12 @@ class GgufWeights:
         # at level 0 the 49152 x 576 LM head took 130 ms a token against fp32's 6.2 ms
         # (docs/models.md), so exact 8-bit weights run as float32.
         if self.accuracy_level == 4 and encodings == {"Q8_0"}:
+            if names == ["lm_head.weight"]:
+                # The logits are the one product whose int8 rounding no later rounding
+                # hides: refined, 98.43 % top-1 against float32 instead of 97.97 %, KL 4.0e-3
+                # instead of 4.9e-3 (docs/models.md, fidelity).
+                refined = self._refined(g, x, in_size, lambda rows: self._q8_0(g, rows, label, tensors, in_size, None))
+                return refined if output is None else self._finish(g, "Identity", [refined], output)
             return self._q8_0(g, x, label, tensors, in_size, output)
         if self.format == "int8":
             return self._int8(g, x, label, tensors, in_size, output)
@@ -126,14 +134,52 @@ class GgufWeights:
         m = np.concatenate([p[1] for p in parts])
         q = np.concatenate([p[2] for p in parts])
         rows = q.shape[0]
-        packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)  # onnxruntime: pairs in a byte, low first
-        product = g.one("MatMulNBits", [x, self._init(g, label + ".q4", packed), self._init(g, label + ".s", d.reshape(-1))],
-                        domain=MS, K=in_size, N=rows, bits=4, block_size=32, accuracy_level=self.accuracy_level)
         shift = self._init(g, label + ".shift", np.ascontiguousarray((8.0 * d + m).T))  # [K/32, N]
+        if self.accuracy_level == 4:
+            # With int8 activations the correction takes the block sums of the activations
+            # as the product quantised them, so the whole is the file's weights times one
+            # quantised x, as llama.cpp's Q4_1 x Q8_1 dot is. Float sums instead mix two
+            # roundings of x: 97.02 % top-1 against 97.97 % (docs/models.md, fidelity).
+            # The sums come out of the same product: K/32 extra weight rows, row j 1 on
+            # block j and 0 elsewhere (q = 9 and 8 around the zero point 8, scale 1).
+            blocks = in_size // 32
+            indicator = np.full((blocks, blocks, 32), 8, np.uint8)
+            indicator[np.arange(blocks), np.arange(blocks)] = 9
+            q = np.concatenate([q, indicator])
+            d = np.concatenate([d, np.ones((blocks, blocks), d.dtype)])
+            both = self._q4(g, x, label + "+block_sums", q, d, in_size)  # its own arrays in the shared file
+            product, sums = g.node("Split", [both, g.const(label + ".split", np.array([rows, blocks], np.int64))],
+                                   n_out=2, axis=-1)
+        else:
+            product, sums = self._q4(g, x, label, q, d, in_size), self._block_sums_of(g, x, in_size)
         if getattr(g, "flat_rows", False):  # x is [rows, K]: the correction adds in as Gemm's C
-            return self._finish(g, "Gemm", [self._block_sums_of(g, x, in_size), shift, product], output, beta=1.0)
-        correction = g.one("MatMul", [self._block_sums_of(g, x, in_size), shift])
-        return self._finish(g, "Add", [product, correction], output)
+            return self._finish(g, "Gemm", [sums, shift, product], output, beta=1.0)
+        return self._finish(g, "Add", [product, g.one("MatMul", [sums, shift])], output)
+
+    def _q4(self, g: _Graph, x: str, label: str, q: np.ndarray, d: np.ndarray, in_size: int) -> str:
+        """``x @ (d * (q - 8)).T`` for 4-bit values ``q [N, K/32, 32]`` and scales ``d [N, K/32]``."""
+        packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)  # onnxruntime: pairs in a byte, low first
+        return g.one("MatMulNBits", [x, self._init(g, label + ".q4", packed), self._init(g, label + ".s", d.reshape(-1))],
+                     domain=MS, K=in_size, N=q.shape[0], bits=4, block_size=32, accuracy_level=self.accuracy_level)
+
+    def _refined(self, g: _Graph, x: str, in_size: int, product) -> str:
+        """``product(rows)`` of ``x`` to nearly float32 accuracy with int8 activations: ``x``
+        as int8 blocks would quantise it, and the remainder as a second row, whose own
+        rounding is 1/254 of the first's; the two rows' products summed. Row-local, so as
+        invariant as the product; at one new token the product's second row costs ~1 %
+        (MLAS runs two rows on one pass over the weights; docs/models.md, fidelity)."""
+        c = lambda name, value, dtype=np.int64: g.const(name, np.array(value, dtype))  # noqa: E731
+        blocks = g.one("Reshape", [x, c("refine.blocks", [-1, in_size // 32, 32])])
+        scale = g.one("Div", [g.one("ReduceMax", [g.one("Abs", [blocks]), c("refine.last_axis", [-1])], keepdims=1),
+                              c("refine.int8_max", 127.0, np.float32)])
+        scale = g.one("Where", [g.one("Equal", [scale, c("refine.zero", 0.0, np.float32)]),
+                                c("refine.one", 1.0, np.float32), scale])
+        coarse = g.one("Mul", [g.one("Round", [g.one("Div", [blocks, scale])]), scale])
+        shape = g.one("Shape", [x])
+        rows = g.one("Concat", [g.one("Reshape", [coarse, shape]),
+                                g.one("Reshape", [g.one("Sub", [blocks, coarse]), shape])], axis=0)
+        first, second = g.node("Split", [product(rows)], n_out=2, axis=0, num_outputs=2)
+        return g.one("Add", [first, second])
 
     def _q8_0(self, g: _Graph, x: str, label: str, tensors: list[GgufTensor], in_size: int,
               output: str | None) -> str:
