@@ -57,7 +57,9 @@ CASES = {
                            tool_choice="required", parallel_tool_calls=False),
                       lambda m: len(m.tool_calls) == 1 and m.tool_calls[0].function.name in ("get_weather", "get_time")
                       and json.loads(m.tool_calls[0].function.arguments)["city"] == "Paris"),
-    "choice": (dict(messages=user("What is the capital of Italy? Answer with one word."),
+    # "Which city": asked "What is the capital of Italy?" the default (fast) format picks
+    # Berlin, float32 Rome: a near tie at this 135M model's first token (docs/models.md).
+    "choice": (dict(messages=user("Which city is the capital of Italy? Answer with one word."),
                     extra_body={"structured_outputs": {"choice": ["Rome", "Paris", "Berlin", "Madrid"]}}),
                lambda m: m.content == "Rome"),
     "regex": (dict(messages=user("When did World War II end? Answer with a date."),
