@@ -81,8 +81,8 @@ def run(args: argparse.Namespace) -> None:
     print()
     print("| format | top-1 agreement | mean KL (nats) |")
     print("|---|---|---|")
-    names = {"fast": "specserve fast", "exact": "specserve exact (default)",
-             "llama.cpp": "llama.cpp (Q4_1, Q8_0 activations)"}
+    names = {"fast": "specserve fast (the default)", "exact": "specserve exact",
+             "llama.cpp": "llama.cpp (Q4_1 x Q8_1 activations)"}
     for name, r in results.items():
         print(f"| {names.get(name, name)} | {r['top1_agreement'] * 100:.2f} % | {r['mean_kl']:.2e} |")
 

@@ -4,10 +4,10 @@ GGUF, batch 1, in one run, interleaved; then concurrency in-process and through 
     bash bench/peer/setup.sh --real          # once: .venv-peer with llama.cpp, onnxruntime-genai, transformers
     .venv/bin/python bench/peers.py [--prompts 10] [--new-tokens 64] [--threads 2] [--record docs/benchmarks]
 
-Contestants: specserve in-process in every mode the bundle serves, in the default (exact)
+Contestants: specserve in-process in every mode the bundle serves, in the default (fast)
 format, adaptive speculation on (as served) and pinned at k = 4 drafts a round (where tau
-and the bound are read); specserve in the fast format (its own engine,
-``target_format="fast"``), target-only and every mode adaptive; and, each in its own
+and the bound are read); specserve in the exact format (its own engine,
+``target_format="exact"``), target-only and every mode adaptive; and, each in its own
 process in ``.venv-peer`` (``bench/peer/peer_worker.py``):
 llama.cpp greedy on the GGUF itself and with its prompt-lookup drafter (4 drafts),
 onnxruntime-genai greedy on its builder's int4 and fp32 graphs of the Hugging Face export,
@@ -15,7 +15,8 @@ and transformers' float32 greedy. Every contestant decodes exactly ``--new-token
 (EOS ignored) of each held-out chat prompt (``tests/data/heldout_chat_prompts.json``, the
 same token ids for all), after one untimed warm-up request each; the contestants take
 turns prompt by prompt, their order rotating. tokens/s counts prompt in to last token out
-(prefill included, warm-up excluded). Identity: prompts whose first 48 tokens equal
+(prefill included, warm-up excluded). specserve's prefix and suffix caches are emptied
+before every request: each is new to its engine. Identity: prompts whose first 48 tokens equal
 transformers' (the same weights in float32). For each speculative mode, tau (tokens per
 target pass) and the bound tau * t_step / (t_verify + k * t_head) from the engine's own
 start-up timings.
@@ -49,7 +50,7 @@ PEERS = {  # name -> (worker kind, model path)
     "transformers fp32": ("transformers", PEER_CACHE / "smollm2-hf"),
 }
 REFERENCE = "transformers fp32"
-FAST = "specserve fast"  # the fast format's contestants: "specserve fast <mode>"
+EXACT = "specserve exact"  # the exact format's contestants: "specserve exact <mode>"
 
 
 @dataclass
@@ -89,6 +90,7 @@ def specserve_contestant(engine: Engine, mode: str, adaptive: bool, tally: Tally
                                 adaptive_speculation=adaptive)
 
     def generate(ids: list[int], _: int) -> tuple[list[int], float]:
+        cold(engine)
         started = time.perf_counter()
         result = engine.generate(ids, options)
         seconds = time.perf_counter() - started
@@ -96,6 +98,20 @@ def specserve_contestant(engine: Engine, mode: str, adaptive: bool, tally: Tally
         tally.committed += result.speculative.committed_tokens
         return result.token_ids, seconds
     return generate
+
+
+def cold(engine: Engine | None, server: str | None = None) -> None:
+    """Forget earlier requests' prefixes and outputs, in ``engine`` or on ``server``: every
+    contestant decodes the same prompts, and a timed request must be new to its engine (no
+    prefix-cache hit, no suffix draft from another contestant's answer to it)."""
+    if engine is not None:
+        engine.reset_prefix_cache()
+        engine.reset_suffix_cache()
+    if server is not None:
+        import httpx
+
+        for path in ("/reset_prefix_cache", "/reset_suffix_cache"):
+            httpx.post(server + path, timeout=30).raise_for_status()
 
 
 def bound(engine: Engine, mode: str, tau: float, drafts: int) -> float:
@@ -124,7 +140,7 @@ def main() -> None:
 def run(args: argparse.Namespace) -> None:
     chats = [p["messages"] for p in json.loads((ROOT / "tests/data/heldout_chat_prompts.json").read_text())]
     engine = Engine(DEFAULT_MODEL_DIR, EngineConfig(device="cpu", intra_op_threads=args.threads))
-    fast = Engine(DEFAULT_MODEL_DIR, EngineConfig(device="cpu", intra_op_threads=args.threads, target_format="fast"))
+    exact = Engine(DEFAULT_MODEL_DIR, EngineConfig(device="cpu", intra_op_threads=args.threads, target_format="exact"))
     template = ChatTemplate.from_model_dir(engine.bundle.target_dir)
     prompts = [engine.tokenizer.encode(template.render(c)) for c in chats[: args.prompts]]
     tallies: dict[str, Tally] = {}
@@ -135,10 +151,10 @@ def run(args: argparse.Namespace) -> None:
             name = f"specserve {mode}" + ("" if mode == "none" else " (adaptive)" if adaptive else f" (k={drafts})")
             tallies[name] = Tally()
             contestants[name] = specserve_contestant(engine, mode, adaptive, tallies[name], args.new_tokens)
-    for mode in fast.available_modes:
-        name = f"{FAST} {mode}" + ("" if mode == "none" else " (adaptive)")
+    for mode in exact.available_modes:
+        name = f"{EXACT} {mode}" + ("" if mode == "none" else " (adaptive)")
         tallies[name] = Tally()
-        contestants[name] = specserve_contestant(fast, mode, True, tallies[name], args.new_tokens)
+        contestants[name] = specserve_contestant(exact, mode, True, tallies[name], args.new_tokens)
     peers: dict[str, PeerProcess] = {}
     if not args.no_peers:
         for name, (kind, model) in PEERS.items():
@@ -160,30 +176,34 @@ def run(args: argparse.Namespace) -> None:
     finally:
         for peer in peers.values():
             peer.close()
-        fast.close()
+        exact.close()
     report(args, engine, tallies, peers)
     if args.concurrency:
-        concurrency(args, engine, [template.render(c) for c in chats])
+        from modelbuild.distill.prompts import build_prompts
+
+        # Distinct prompts for every request in flight (the 10 above would repeat at 16 and 32
+        # streams): the distillation corpus's held-out chats, which no head trained on.
+        concurrency(args, engine, [template.render(p.messages) for p in build_prompts()[1][: 2 * max(args.concurrency)]])
     engine.close()
 
 
 def report(args, engine: Engine, tallies: dict[str, Tally], peers: dict[str, PeerProcess]) -> None:
     base = tallies["specserve none"].tokens_per_s
     reference = tallies.get(REFERENCE)
-    print(f"SmolLM2-135M-Instruct (specserve's default format: {engine.target.family.name}; '{FAST}': the fast "
+    print(f"SmolLM2-135M-Instruct (specserve's default format: {engine.target.family.name}; '{EXACT}': the exact "
           f"format), batch 1, "
           f"{args.threads} threads, {len(tallies['specserve none'].outputs)} held-out "
           f"chat prompts x {args.new_tokens} new tokens (EOS ignored), greedy; tokens/s include prefill, exclude "
           "each contestant's one warm-up request; contestants interleaved prompt by prompt")
     for name, peer in peers.items():
         print(f"  {name}: {peer.version}")
-    for prefix, base_name in (("specserve ", "specserve none"), (f"{FAST} ", f"{FAST} none")):
+    for prefix, base_name in (("specserve ", "specserve none"), (f"{EXACT} ", f"{EXACT} none")):
         ours = {name: t.outputs for name, t in tallies.items()
-                if name.startswith(prefix) and name.startswith(FAST) == prefix.startswith(FAST)}
+                if name.startswith(prefix) and name.startswith(EXACT) == prefix.startswith(EXACT)}
         same = all(outputs == ours[base_name] for outputs in ours.values())
         print(f"  every {prefix.strip()} mode token-identical to its target-only: {'yes' if same else 'NO'}")
-    for ours_name, theirs in (("specserve none", "llama.cpp greedy"), (f"{FAST} none", "onnxruntime-genai int4"),
-                              (f"{FAST} none", "llama.cpp greedy"), (f"{FAST} none", "specserve none")):
+    for ours_name, theirs in (("specserve none", "onnxruntime-genai int4"), ("specserve none", "llama.cpp greedy"),
+                              (f"{EXACT} none", "llama.cpp greedy"), ("specserve none", f"{EXACT} none")):
         if theirs in tallies:
             print(f"  {ours_name} / {theirs}: {tallies[ours_name].tokens_per_s / tallies[theirs].tokens_per_s:.2f}x")
     print()
@@ -194,7 +214,7 @@ def report(args, engine: Engine, tallies: dict[str, Tally], peers: dict[str, Pee
         same = (f"{sum(a[:IDENTITY_TOKENS] == b[:IDENTITY_TOKENS] for a, b in zip(tally.outputs, reference.outputs))}"
                 f"/{len(tally.outputs)}") if reference else "-"
         tau = limit = "-"
-        mode = name.removeprefix(f"{FAST} ").removeprefix("specserve ").split(" ")[0]
+        mode = name.removeprefix(f"{EXACT} ").removeprefix("specserve ").split(" ")[0]
         if name.startswith("specserve ") and mode != "none" and tally.rounds:
             t = tally.committed / tally.rounds
             tau = f"{t:.2f}"
@@ -210,24 +230,35 @@ def concurrency(args, engine: Engine, prompts: list[str]) -> None:
 
     modes = engine.available_modes
     print()
-    print(f"Concurrency (streams x {args.new_tokens} tokens, greedy, EOS ignored; in-process measured first, "
-          "before Ray starts):")
+    print(f"Concurrency (streams x {args.new_tokens} tokens, greedy, EOS ignored, one request per stream after an "
+          "untimed one, every prompt distinct and new to its engine; in-process measured first, before Ray starts; "
+          "bench/distributed.py compares the two sides interleaved):")
     print("| mode | streams | in-process tokens/s | served tokens/s | served / in-process |")
     print("|---|---|---|---|---|")
     local: dict[tuple[str, int], object] = {}
+    half = len(prompts) // 2  # the first half warms each cell's shapes up, the second is timed
+
+    def timed(run_one, streams: int, engine_or_none, server: str | None = None):
+        measure(run_one, prompts, streams, 1)
+        cold(engine_or_none, server)
+        return measure(run_one, prompts, streams, 1, start=half)
+
     for mode in modes:
         options = GenerationOptions(max_new_tokens=args.new_tokens, temperature=0, ignore_eos=True, speculative_mode=mode)
         for streams in args.concurrency:
-            local[(mode, streams)] = measure(in_process_runner(engine, options), prompts, streams, 1)
+            local[(mode, streams)] = timed(in_process_runner(engine, options), streams, engine)
     engine.close()
     from cluster.local import serve_local, start_local_ray
 
     start_local_ray()
     try:
-        serve_local({"model_dir": str(DEFAULT_MODEL_DIR), "engine": {"device": "cpu"}}, port=8012)
+        # serve_config.yaml's application (bench/distributed.py's "fixed" configuration), on CPU
+        serve_local({"model_dir": str(DEFAULT_MODEL_DIR), "stream_interval": 1, "stream_writes_per_s": 250,
+                     "engine": {"device": "cpu", "intra_op_threads": 2, "scheduler": {"lanes": 2}}}, port=8012)
         for mode in modes:
             for streams in args.concurrency:
-                served = measure(server_runner("http://127.0.0.1:8012", mode, args.new_tokens), prompts, streams, 1)
+                served = timed(server_runner("http://127.0.0.1:8012", mode, args.new_tokens), streams, None,
+                               "http://127.0.0.1:8012")
                 same = all(a.token_ids == b.token_ids for a, b in zip(served.results, local[(mode, streams)].results))
                 ratio = served.tokens_per_s / local[(mode, streams)].tokens_per_s
                 print(f"| {mode} | {streams} | {local[(mode, streams)].tokens_per_s:.1f} | {served.tokens_per_s:.1f} | "

@@ -275,11 +275,11 @@ def build_fused_decoder(model_dir: Path, out_path: Path, aux_layers: tuple[int, 
 
 def save_decoder(g: _Graph, out_path: Path, graph_name: str, producer: str, opset: int, in_place: bool,
                  presents: list[str], aux_layers: tuple[int, ...], vocab: int, hidden: int, kv_heads: int,
-                 head_dim: int) -> Path:
+                 head_dim: int, extra_inputs: list[onnx.ValueInfoProto] = ()) -> Path:
     """Declare a decoder graph's engine I/O around ``g``'s nodes and save it: ``input_ids``,
     ``attention_mask``, ``position_ids`` unless ``in_place`` (positions are then slot
-    indices), ``past_key_values.*`` in; ``logits``, ``presents``, ``hidden_states`` and the
-    aux layers' states out."""
+    indices), ``past_key_values.*`` and ``extra_inputs`` in; ``logits``, ``presents``,
+    ``hidden_states`` and the aux layers' states out."""
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
     kv_shape = ["batch", kv_heads, "past_sequence", head_dim]
     inputs = [helper.make_tensor_value_info("input_ids", i64, ["batch", "sequence"]),
@@ -288,7 +288,9 @@ def save_decoder(g: _Graph, out_path: Path, graph_name: str, producer: str, opse
         inputs.append(helper.make_tensor_value_info("position_ids", i64, ["batch", "sequence"]))
     for i in range(len(presents) // 2):
         inputs += [helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", f32, kv_shape) for kind in ("key", "value")]
-    outputs = [helper.make_tensor_value_info("logits", f32, ["batch", "sequence", vocab])]
+    inputs += extra_inputs
+    logits_length = "logits_sequence" if extra_inputs else "sequence"  # a graph may cut rows (invariant_graph)
+    outputs = [helper.make_tensor_value_info("logits", f32, ["batch", logits_length, vocab])]
     present_length = "past_sequence" if in_place else "total_sequence"  # in place: the same buffer
     outputs += [helper.make_tensor_value_info(name, f32, ["batch", kv_heads, present_length, head_dim])
                 for name in presents]

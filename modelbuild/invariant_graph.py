@@ -42,6 +42,8 @@ from pathlib import Path
 import numpy as np
 from onnx import TensorProto, helper
 
+from engine.model.in_place import LOGITS_FROM
+
 from .fused_graph import (MS, HalfSafetensors, WeightSource, _Graph, _rotary_caches, input_norm, read_llama_config,
                           save_decoder, skip_norm)
 from .weights_file import WEIGHTS_FILE, aux_output_name
@@ -88,16 +90,29 @@ def build_invariant_decoder(model_dir: Path, out_path: Path, aux_layers: tuple[i
     final, residual = skip_norm(g, pending, residual, weights.vector(g, "model.norm.weight", hidden), eps)
     if layers in aux_layers:
         aux_outputs[layers] = residual
-    logits = weights.linear(g, final, ["lm_head.weight"], [vocab], hidden)
     by_sequence = lambda value, width, name: g.nodes.append(helper.make_node(  # noqa: E731
         "Reshape", [value, attention.sequence_shape(width)], [name], name=f"out/{name}"))
-    by_sequence(logits, vocab, "logits")
+    if in_place:
+        # Logits of each sequence's new tokens from LOGITS_FROM on: a prefill needs its last
+        # row's only, and the LM head is the dearest product of a long prompt's rows. Rows
+        # are cut, not computed otherwise, so the ones kept stay invariant.
+        c = lambda name, value: g.const(name, np.array(value, np.int64))  # noqa: E731
+        by_new = g.one("Reshape", [final, attention.sequence_shape(hidden)])                 # [B, S, hidden]
+        kept = g.one("Slice", [by_new, LOGITS_FROM, c("logits.end", [np.iinfo(np.int64).max]), c("logits.axis", [1])])
+        logits = weights.linear(g, g.one("Reshape", [kept, c("logits.rows", [-1, hidden])]), ["lm_head.weight"],
+                                [vocab], hidden)
+        batch = g.one("Slice", [g.one("Shape", ["input_ids"]), c("logits.batch_start", [0]), c("logits.batch_end", [1])])
+        shape = g.one("Concat", [batch, c("logits.rest", [-1, vocab])], axis=0)                  # [B, S', vocab]
+        g.nodes.append(helper.make_node("Reshape", [logits, shape], ["logits"], name="out/logits"))
+    else:
+        by_sequence(weights.linear(g, final, ["lm_head.weight"], [vocab], hidden), vocab, "logits")
     by_sequence(final, hidden, "hidden_states")
     for j in aux_layers:
         by_sequence(aux_outputs[j], hidden, aux_output_name(j))
 
+    extra = [helper.make_tensor_value_info(LOGITS_FROM, TensorProto.INT64, [1])] if in_place else []
     return save_decoder(g, out_path, "llama_row_invariant", "specserve.modelbuild.invariant_graph", OPSET, in_place,
-                        presents, aux_layers, vocab, hidden, kv_heads, head_dim)
+                        presents, aux_layers, vocab, hidden, kv_heads, head_dim, extra_inputs=extra)
 
 
 class _Attention:

@@ -92,6 +92,31 @@ def test_a_sequence_is_the_same_bits_in_a_batch_of_32_whatever_its_neighbours(fa
             assert np.array_equal(logits[row], stepped[i][0]), i
 
 
+def test_a_prefill_asking_for_its_last_logits_computes_that_row_alone_and_the_same(fast_graph, texts):
+    """The graph cuts the LM head's rows to the ones asked for (a prefill's last): the row it
+    keeps is the same bits as in a call that computes every row, and so is every other output."""
+    ids = np.array([texts[0][:60]])
+    every, every_extras = fast_graph.run(fast_graph.new_buffer(64), 0, ids)
+    last, last_extras = fast_graph.run(fast_graph.new_buffer(64), 0, ids, logits_from=59)
+    assert fast_graph.cuts_logits and every.shape[1] == 60 and last.shape[1] == 1
+    assert np.array_equal(last[0, 0], every[0, -1])
+    assert all(np.array_equal(last_extras[name], every_extras[name]) for name in every_extras)
+
+
+def test_prompt_logprobs_still_see_every_prompt_row(default_engine, texts):
+    """A prefill asked for prompt logprobs feeds every row through the LM head: each prompt
+    token's logprob is the log-softmax of the row before it, as a full call gives it."""
+    prompt = texts[1][:30]
+    result = default_engine.generate(prompt, GenerationOptions(max_new_tokens=2, prompt_logprobs=0))
+    buffer = default_engine.target.in_place.new_buffer(32)
+    logits = default_engine.target.in_place.run(buffer, 0, np.array([prompt]))[0][0].astype(np.float64)
+    expected = logits - logits.max(-1, keepdims=True)
+    expected -= np.log(np.exp(expected).sum(-1, keepdims=True))
+    got = [p.logprob for p in result.prompt_logprobs]
+    assert len(got) == len(prompt) - 1
+    np.testing.assert_allclose(got, [expected[i, prompt[i + 1]] for i in range(len(prompt) - 1)], rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def fast_engine(default_engine):
     return default_engine  # the default model's default format

@@ -38,12 +38,18 @@ class FeedRequest:
     seq_id: Hashable
     tokens: Sequence[int]
     first_position: int  # absolute position of tokens[0]
+    last_logits_only: bool = False  # a prefill's: its output holds the last token's logits row only
 
 
 @dataclass
 class SequenceOutput:
-    logits: np.ndarray             # [S, V] one row per fed token
+    logits: np.ndarray             # [S, V] one row per fed token ([1, V]: the last, if only that was asked)
     extras: dict[str, np.ndarray]  # e.g. hidden states, [S, ...] each
+
+
+def _logit_rows(request: FeedRequest, fed: int) -> slice:
+    """The rows of a call's logits that ``request`` asked for, of the ``fed`` it fed."""
+    return slice(fed - 1 if request.last_logits_only else 0, fed)
 
 
 class CachedDecoder:
@@ -196,7 +202,7 @@ class CachedDecoder:
                 new = slice(longest_past, longest_past + new_lens[i])
                 self.cache.append(r.seq_id, [k[i : i + 1, :, new] for k, _ in out.presents],
                                   [v[i : i + 1, :, new] for _, v in out.presents])
-            outputs.append(SequenceOutput(out.logits[i, : new_lens[i]],
+            outputs.append(SequenceOutput(out.logits[i, _logit_rows(r, new_lens[i])],
                                           {name: value[i, : new_lens[i]] for name, value in out.extras.items()}))
         return outputs
 
@@ -226,7 +232,8 @@ class CachedDecoder:
             buffer = self.in_place.new_buffer(buffer_capacity(needed, self.max_context))
             self.cache.copy_past_into(seq_id, buffer.keys, buffer.values)  # a prefill's past is in the pools only
             self.buffers_made += 1
-        logits, extras = self.in_place.run(buffer, length, np.asarray([request.tokens]))
+        last = len(request.tokens) - 1 if request.last_logits_only else 0
+        logits, extras = self.in_place.run(buffer, length, np.asarray([request.tokens]), logits_from=last)
         self.cache.append_in_buffer(seq_id, buffer, needed)
         return SequenceOutput(logits[0], {name: value[0] for name, value in extras.items()})
 
@@ -258,8 +265,9 @@ class CachedDecoder:
             self.batch_layouts.forget(arrangement)
             raise
         self.batch_layouts.remember(arrangement, seq_ids, out.presents)
-        return [SequenceOutput(out.logits[row, :n], {name: value[row, :n] for name, value in out.extras.items()})
-                for row, n in zip(arrangement.row_of, new_lens)]
+        return [SequenceOutput(out.logits[row, _logit_rows(r, n)],
+                               {name: value[row, :n] for name, value in out.extras.items()})
+                for r, row, n in zip(requests, arrangement.row_of, new_lens)]
 
     def _feed_rows(self, requests: Sequence[FeedRequest]) -> list[SequenceOutput]:
         """``feed_batch`` at batch > 1 in a row-invariant family: one in-place call over a
@@ -278,7 +286,8 @@ class CachedDecoder:
         for index, (r, row) in enumerate(zip(requests, call.row_of)):
             n = len(r.tokens)
             self.cache.append_in_buffer(r.seq_id, self.row_buffers.row_buffer(call, index), int(call.lengths[row]) + n)
-            outputs.append(SequenceOutput(logits[row, :n], {name: value[row, :n] for name, value in extras.items()}))
+            outputs.append(SequenceOutput(logits[row, _logit_rows(r, n)],
+                                          {name: value[row, :n] for name, value in extras.items()}))
         return outputs
 
     def probe(self) -> None:

@@ -34,6 +34,7 @@ from engine.model.providers import session_options
 
 IN_PLACE_FILE = "model.inplace.onnx"  # written beside model.onnx by modelbuild.fused_graph
 STEP_FILE = "model.inplace.step.onnx"  # optional: the twin of single-token calls (modelbuild.from_gguf)
+LOGITS_FROM = "logits_from"            # optional input [1]: logits of new tokens from this one on (a prefill: the last)
 CAPACITY_STEP = 64                    # buffers grow in whole steps of this many slots
 CHECK_TOLERANCE = 1e-3                # load-time agreement with the standard graph (logits)
 log = logging.getLogger("specserve.engine")
@@ -52,11 +53,13 @@ class KVBuffer:
     mask: np.ndarray  # [1, capacity] ones: each run binds a prefix of it as its attention mask
     binding: ort.IOBinding | None = None  # bound at the first run on this buffer
     _ort_values: list[ort.OrtValue] = field(default_factory=list)  # must outlive the binding over their memory
-    # New-token count -> the input_ids array a run of that width writes its tokens into
-    # (onnxruntime reads the bound memory) and its preallocated outputs (arrays and the
-    # OrtValues over them): bound when the width changes, so no call allocates them.
-    widths: dict[int, tuple[np.ndarray, list[tuple[np.ndarray, ort.OrtValue]]]] = field(default_factory=dict)
-    bound_width: int = 0  # the new-token count whose arrays are bound now (bindings persist across runs)
+    # (New-token count, first logits row) -> the input_ids array a run of that width writes
+    # its tokens into (onnxruntime reads the bound memory), its preallocated outputs (arrays
+    # and the OrtValues over them) and its LOGITS_FROM value: bound when the key changes, so
+    # no call allocates them.
+    widths: dict[tuple[int, int], tuple[np.ndarray, list[tuple[np.ndarray, ort.OrtValue]], np.ndarray]] = field(
+        default_factory=dict)
+    bound_width: tuple[int, int] = (0, 0)  # the key whose arrays are bound now (bindings persist across runs)
     step_binding: ort.IOBinding | None = None  # the single-token twin's, bound at its first run
 
     @property
@@ -87,6 +90,9 @@ class InPlaceDecoder:
         self.past_names = list(io.past_keys + io.past_values)
         self.present_names = list(io.present_keys + io.present_values)
         self.output_names = [io.logits, *io.extra_outputs]
+        # Whether the graph computes logits only from LOGITS_FROM on (the fast family's).
+        self.cuts_logits = LOGITS_FROM in {i.name for i in self.session.get_inputs()}
+        self._all_logits = np.zeros(1, np.int64)  # LOGITS_FROM of batched runs: every row
         declared = {o.name: o for o in self.session.get_outputs()}
         # [1, S, width] each, in the dtype the graph declares
         self.output_shapes = [(declared[name].shape[-1], _ORT_DTYPES[declared[name].type])
@@ -126,7 +132,8 @@ class InPlaceDecoder:
             return None
         inputs = {i.name for i in twin.session.get_inputs()}
         outputs = {o.name for o in twin.session.get_outputs()}
-        expected_in = {standard.io.input_ids, standard.io.attention_mask, *twin.past_names}
+        expected_in = {standard.io.input_ids, standard.io.attention_mask, *twin.past_names,
+                       *((LOGITS_FROM,) if twin.cuts_logits else ())}
         if inputs != expected_in or outputs != set(twin.output_names) | set(twin.present_names):
             log.warning("%s not used: its inputs/outputs differ from %s's", path, standard.onnx_path)
             return None
@@ -222,6 +229,8 @@ class InPlaceDecoder:
         mask[np.arange(mask.shape[1])[None, :] < (lengths + new)[:, None]] = 1
         binding.bind_cpu_input(self.standard.io.input_ids, np.ascontiguousarray(input_ids, self.standard.ids_dtype))
         binding.bind_cpu_input(self.standard.io.attention_mask, mask)
+        if self.cuts_logits:
+            binding.bind_cpu_input(LOGITS_FROM, self._all_logits)
         # Fresh arrays each call (the caller keeps them), bound where the session writes.
         outputs = [np.empty((rows, new, width), dtype) for width, dtype in self.output_shapes]
         kept = [ort.OrtValue.ortvalue_from_numpy(array) for array in outputs]
@@ -243,36 +252,45 @@ class InPlaceDecoder:
             kept.append(value)
         return binding, kept
 
-    def run(self, buffer: KVBuffer, length: int, input_ids: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    def run(self, buffer: KVBuffer, length: int, input_ids: np.ndarray, logits_from: int = 0
+            ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Run ``input_ids [1, S]`` after the buffer's first ``length`` slots; their KV is
-        written to slots ``[length, length + S)``. Returns logits ``[1, S, V]`` and the
-        extra outputs by name."""
+        written to slots ``[length, length + S)``. Returns logits ``[1, S - logits_from, V]``
+        (the rows of new tokens ``logits_from`` on: a prefill wants its last) and the extra
+        outputs ``[1, S, ...]`` by name."""
         new = input_ids.shape[1]
         if length + new > buffer.capacity:
             raise ValueError(f"{length} + {new} tokens do not fit a buffer of {buffer.capacity} slots")
-        arrays = buffer.widths.get(new)
+        cut = logits_from if self.cuts_logits else 0  # a graph without the input: cut after it
+        key = (new, cut)
+        arrays = buffer.widths.get(key)
         if arrays is None:
-            outputs = [np.empty((1, new, width), dtype) for width, dtype in self.output_shapes]
-            arrays = buffer.widths[new] = (np.empty((1, new), self.standard.ids_dtype),
-                                           [(a, ort.OrtValue.ortvalue_from_numpy(a)) for a in outputs])
-        ids, outputs = arrays
+            outputs = [np.empty((1, new - (cut if i == 0 else 0), width), dtype)
+                       for i, (width, dtype) in enumerate(self.output_shapes)]
+            arrays = buffer.widths[key] = (np.empty((1, new), self.standard.ids_dtype),
+                                           [(a, ort.OrtValue.ortvalue_from_numpy(a)) for a in outputs],
+                                           np.array([cut], np.int64))
+        ids, outputs, first = arrays
         ids[:] = input_ids
         if new == 1 and self.step_session is not None:
             session, binding = self.step_session, buffer.step_binding or self._bind_step(buffer, ids, outputs)
         else:
             session, binding = self.session, buffer.binding or self._bind(buffer)
-            if buffer.bound_width != new:
-                self._bind_width(binding, ids, outputs)
-                buffer.bound_width = new
+            if buffer.bound_width != key:
+                self._bind_width(binding, ids, outputs, first if self.cuts_logits else None)
+                buffer.bound_width = key
         binding.bind_cpu_input(self.standard.io.attention_mask, buffer.mask[:, : length + new])
         session.run_with_iobinding(binding)
         self.calls += 1
         # Copies: the arrays are this buffer's, rewritten by its next call of this width.
-        logits = outputs[0][0].astype(np.float32)
+        logits = outputs[0][0][:, logits_from - cut:].astype(np.float32)
         return logits, {name: array.copy() for name, (array, _) in zip(self.output_names[1:], outputs[1:])}
 
-    def _bind_width(self, binding: ort.IOBinding, ids: np.ndarray, outputs: list) -> None:
+    def _bind_width(self, binding: ort.IOBinding, ids: np.ndarray, outputs: list,
+                    logits_from: np.ndarray | None = None) -> None:
         binding.bind_cpu_input(self.standard.io.input_ids, ids)
+        if logits_from is not None:
+            binding.bind_cpu_input(LOGITS_FROM, logits_from)
         for name, (_, value) in zip(self.output_names, outputs):
             binding.bind_ortvalue_output(name, value)
 

@@ -162,7 +162,9 @@ class TargetWorker:
                                  "cached blocks")
             cache.add_sequence(item.seq_id, reserved[shared:] if reserved is not None else None)
             start = cache.share_prefix(item.seq_id, feed, reserved[:shared]) if shared else 0
-            out = self.target.feed_batch([FeedRequest(item.seq_id, feed[start:], start)])[0]
+            # The round needs the last row's logits; prompt logprobs need every row's.
+            out = self.target.feed_batch([FeedRequest(item.seq_id, feed[start:], start,
+                                                      last_logits_only=item.options.prompt_logprobs is None)])[0]
             cache.publish(item.seq_id, feed)
             rules = item.rules or SequenceRules.of(len(item.tokens), item.options, self.target.eos_token_ids)
             seq = _TargetSequence(list(item.tokens), item.options, item.needs,

@@ -50,7 +50,7 @@ FINAL_HIDDEN = "hidden_states"
 FAST_WEIGHTS = "q4_1"  # the file's own blocks; its Q8_0 table as 8-bit MatMulNBits
 # Raised whenever the fast graphs change, so that an installed bundle converted by an
 # older builder is converted again (``modelbuild.default_model.is_current`` reads the notes).
-FAST_REVISION = 2
+FAST_REVISION = 3
 TWIN_TOLERANCE = 1e-4  # relative; float32 rounding of the two attention ops measures ~4e-6 on SmolLM2
 
 
