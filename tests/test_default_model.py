@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -216,3 +218,20 @@ def test_the_convert_command_writes_a_bundle_from_a_gguf_that_the_engine_serves(
         for mode in ("draft_model", "mtp", "eagle3", "shared_kv"):
             with pytest.raises(InvalidRequestError, match=mode):
                 engine.chat(CAPITAL, GenerationOptions(max_new_tokens=4, speculative_mode=mode))
+
+
+def test_a_cpu_start_prints_no_error_or_warning_and_says_which_provider_serves():
+    """The CLI on the default model, device auto, on this machine (no CUDA libraries): onnxruntime
+    is never asked for a provider it cannot load, so it prints nothing; one INFO line names
+    the provider that serves and why."""
+    run = subprocess.run([sys.executable, "-m", "engine", "generate", "--prompt", "The capital of France is",
+                          "--max-new-tokens", "4", "--device", "auto"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    lines = (run.stdout + run.stderr).splitlines()
+    assert not [line for line in lines if "onnxruntime:" in line or "ERROR" in line or "WARNING" in line], lines
+    choices = [line for line in run.stderr.splitlines() if "device=auto ->" in line]
+    assert len(choices) == 1 and "INFO" in choices[0], run.stderr
+    from engine.model.providers import cuda_unavailable
+    if cuda_unavailable() is not None:
+        assert "CPUExecutionProvider (" in choices[0] and cuda_unavailable() in choices[0]

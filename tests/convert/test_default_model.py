@@ -90,13 +90,15 @@ def test_each_graph_computes_transformers_logits_from_the_gguf(graph, transforme
 
 
 def test_greedy_decoding_is_transformers_greedy_on_held_out_chat_prompts(transformers_model, chat_prompts):
-    """Target-only through the engine (its step twin serving the single-token calls)
-    against ``generate(do_sample=False)``: every prompt token-identical for 48 tokens or
-    up to its end of turn (``<|im_end|>`` included on both sides)."""
+    """Target-only through the engine in the exact format (its step twin serving the
+    single-token calls) against ``generate(do_sample=False)``: every prompt token-identical
+    for 48 tokens or up to its end of turn (``<|im_end|>`` included on both sides). The
+    fast format, the default, is measured against float32 in ``bench/fidelity.py``."""
     import torch
 
     model, _ = transformers_model
-    config = EngineConfig(device="cpu", intra_op_threads=2, speculative=SpeculativeConfig(load=(), adaptive=False))
+    config = EngineConfig(device="cpu", intra_op_threads=2, target_format="exact",
+                          speculative=SpeculativeConfig(load=(), adaptive=False))
     options = GenerationOptions(max_new_tokens=NEW_TOKENS, temperature=0)
     with Engine(DEFAULT_MODEL_DIR, config) as engine:
         assert engine.target.in_place is not None and engine.target.in_place.step_session is not None
