@@ -312,7 +312,7 @@ class FunctionDefinition(_OpenAIModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; none: a call takes no arguments
-    strict: bool | None = None  # accepted either way: the arguments are held to the schema by the grammar
+    strict: bool | None = None  # false: the schema as written; else closed to the keys it names (tool_calls.py)
 
 
 class Tool(_OpenAIModel):
@@ -336,7 +336,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True  # with "required": more than one call allowed
+    parallel_tool_calls: bool = True  # with "required" or "auto": more than one call allowed
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
@@ -357,7 +357,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     @property
     def grammar_param(self) -> str:
-        return "tools" if self.tools and self.tool_choice not in (None, "none", "auto") else super().grammar_param
+        return "tools" if self.tools and self.tool_choice != "none" else super().grammar_param
 
 
 class TokenizeRequest(_OpenAIModel):

@@ -127,7 +127,7 @@ class ResponseShaper:
                  echoes: Sequence[Echo] | None = None, continuous_usage: bool = False,
                  tools: ToolPlan | None = None, event_per_token: bool = False) -> None:
         self.model_name, self.chat, self.token_ids, self.include_usage = model_name, chat, token_ids, include_usage
-        self.tools = tools  # a forced call: the output is read as tool_calls, never as content
+        self.tools = tools  # tools: the output is read as tool_calls, or as an auto reply
         self._scanners: dict[int, ToolCallScanner] = {}  # per streamed choice
         self.token_bytes = token_bytes
         self.per_prompt = choices_per_prompt  # n: choice i answers prompt i // n
@@ -150,8 +150,8 @@ class ResponseShaper:
                 if self.tools is not None:
                     scanner = self.tools.scanner()
                     scanner.feed(state.text)
-                    message = {"role": "assistant", "content": None, "tool_calls": scanner.tool_calls() or None}
-                    finish = _tool_finish(state, message["tool_calls"])
+                    message = scanner.message()
+                    finish = _tool_finish(state, message.get("tool_calls"))
                 choice = {"index": index, "message": message, "finish_reason": finish,
                           "logprobs": chat_logprobs(logprobs, self.token_bytes) if logprobs is not None else None}
             else:
@@ -238,11 +238,11 @@ class ResponseShaper:
         text = "".join(event.text for event in events)
         if self.chat:
             delta = {"content": text} if text else {}
-            if self.tools is not None:  # a forced call: the text is read as tool_calls
+            if self.tools is not None:  # the text is read as tool_calls, or as an auto reply's JSON string
                 scanner = self._scanners.setdefault(index, self.tools.scanner())
                 scanner.feed(text)
-                calls = scanner.deltas()
-                delta = {"tool_calls": calls} if calls else {}
+                calls, content = scanner.deltas(), scanner.content_delta()
+                delta = {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
                 if finish_reason is not None:
                     finish_reason = _tool_finish(driver.state, scanner.tool_calls())
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, **ids}

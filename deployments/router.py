@@ -284,7 +284,7 @@ class Router:
     async def chat_completions(self, body: ChatCompletionRequest):
         await self._ensure_ready()
         self._check_model(body.model)
-        tools = tool_plan(body, self.chat_template.renders_tools)
+        tools = tool_plan(body)
         prompt = self.chat_template.render(render_messages(body.messages, tools))
         prompt_ids = self._encode(prompt)
         max_tokens = self._max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt_ids),

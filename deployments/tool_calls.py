@@ -1,24 +1,33 @@
 """Chat tool calls: OpenAI's ``tools`` and ``tool_choice`` turned into a grammar and a
 prompt, and the constrained output turned back into ``tool_calls``.
 
+One generic format serves every model, whatever its chat template (llama.cpp's approach;
+vLLM instead needs a parser per model family):
 - ``tool_choice`` naming a function: the output is that function's arguments, a JSON
   object held to its ``parameters`` schema by the grammar.
 - ``"required"``: the output is a JSON array of calls, each ``{"name": <one of the
   tools>, "parameters": <its arguments>}`` (vLLM's shape for it), at least one, exactly
   one without ``parallel_tool_calls``.
+- ``"auto"`` (OpenAI's default when tools are given): the output is one JSON object,
+  either ``{"tool_calls": <that array>}`` or ``{"response": <the reply as a string>}``;
+  the model chooses at its second token. A reply comes back as the message's
+  ``content``, decoded from the string as it streams.
 - ``"none"``: no tools; the model answers in text, and is not shown them.
-- ``"auto"`` (OpenAI's default when tools are given) lets the model choose between text
-  and a call, which takes a chat template that renders tools and a parser for the
-  model's own call syntax; a model that has both names its parser in
-  ``tokenizer_config.json`` (``tool_call_parser``). specserve has no such parser yet, so
-  ``"auto"`` is refused, saying what to use instead.
 
-A forced call's grammar fixes the output's shape, but the model still has to choose the
-arguments, so it is shown the tools: a system message (before the conversation's own
-system prompt, if any) lists each function's name, description and parameters and says
-what to write, as vLLM does for chat templates that do not render tools. An assistant
-message carrying earlier ``tool_calls`` is rendered as the JSON the model would have
-written for them.
+The model is shown the tools: a system message (before the conversation's own system
+prompt, if any) lists each function's name, description and parameters and says what to
+write. An assistant message carrying earlier ``tool_calls`` is rendered as the JSON the
+model would have written for them.
+
+Arguments are held to each function's ``parameters`` schema, strictly by default: an
+object schema that does not say otherwise gets ``additionalProperties: false``, so no
+key the schema never named is written (llama.cpp's grammars do the same).
+``"strict": false`` on a function takes its schema as written instead.
+
+A call is returned only once its arguments are complete JSON: a whole response lists the
+complete calls, and a stream sends each call whole, in one delta, when its arguments
+close. Output cut by ``max_tokens`` (``finish_reason: "length"``) keeps the calls that
+completed and drops the one it cut.
 
 ``ToolCallScanner`` reads the output as it grows, so a stream's deltas and a whole
 response's ``tool_calls`` come from the same reading of the same text.
@@ -35,82 +44,139 @@ from engine.grammar.spec import StructuredOutput
 from .openai_protocol import ApiError, ChatCompletionRequest, ChatMessage, NamedToolChoice
 
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+# How "auto" output opens (the grammar writes JSON with fixed separators: JSON_STYLE in
+# engine/grammar/spec.py), so the first characters say which it is.
+CALLS_OPENING = '{"tool_calls": '
+REPLY_OPENING = '{"response": "'
+# The schema keywords whose values are schemas, or lists or maps of them, that
+# ``closed`` walks into; allOf's members are left open, as closing each would forbid
+# the keys the others add.
+_SUBSCHEMA = ("items", "additionalItems", "not", "if", "then", "else", "contains")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 
 
 def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+def closed(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that says
+    nothing about extra keys: a strict tool's arguments carry only the keys it names."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    is_object = out.get("type") == "object" or "properties" in out
+    if is_object and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    for key in _SUBSCHEMA:
+        if key in out:
+            out[key] = closed(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(member) for member in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(member) for name, member in out[key].items()}
+    return out
+
+
 @dataclass(frozen=True)
 class ToolPlan:
-    """A chat request's forced call(s): which functions, and whether one is named."""
+    """A chat request's tool calls: which functions, and whether one is named
+    (``named``), at least one is required, or the model chooses (``auto``)."""
 
-    functions: tuple[dict[str, Any], ...]  # {"name", "description", "parameters"} each
-    named: str | None                      # the function tool_choice names; None: "required"
+    functions: tuple[dict[str, Any], ...]  # {"name", "description", "parameters", "strict"} each, as sent
+    named: str | None                      # the function tool_choice names
     parallel: bool = True
+    auto: bool = False                     # "auto": a call or a reply
 
     def parameters(self, name: str) -> dict[str, Any]:
-        return next(f["parameters"] for f in self.functions if f["name"] == name)
+        """The schema a function's arguments are held to."""
+        function = next(f for f in self.functions if f["name"] == name)
+        return _held_schema(function["parameters"], function.get("strict"))
+
+    def _calls_schema(self) -> dict[str, Any]:
+        call = {"anyOf": [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                                           "parameters": self.parameters(f["name"])},
+                           "required": ["name", "parameters"], "additionalProperties": False}
+                          for f in self.functions]}
+        return {"type": "array", "items": call, "minItems": 1, **({} if self.parallel else {"maxItems": 1})}
 
     def output_schema(self) -> dict[str, Any]:
         """The JSON schema the output is held to."""
         if self.named is not None:
             return self.parameters(self.named)
-        call = {"anyOf": [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                           "parameters": f["parameters"]},
-                           "required": ["name", "parameters"], "additionalProperties": False}
-                          for f in self.functions]}
-        return {"type": "array", "items": call, "minItems": 1, **({} if self.parallel else {"maxItems": 1})}
+        if not self.auto:
+            return self._calls_schema()
+        return {"anyOf": [
+            {"type": "object", "properties": {"tool_calls": self._calls_schema()}, "required": ["tool_calls"],
+             "additionalProperties": False},
+            {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+             "additionalProperties": False}]}
 
     def structured_output(self) -> StructuredOutput:
         return StructuredOutput.json_schema(self.output_schema())
 
     def instructions(self) -> str:
         """The system message that shows the model its tools and what to write."""
-        listed = "\n".join(json.dumps({k: v for k, v in f.items() if v is not None}) for f in self.functions)
+        # The schemas as sent: a 135M model calls less often when shown the closed ones
+        listed = "\n".join(json.dumps({k: v for k, v in f.items() if v is not None and k != "strict"})
+                           for f in self.functions)
+        many = "one entry per call needed" if self.parallel else "exactly one call"
         if self.named is not None:
             ask = f"Call the function {self.named}: answer with its arguments as one JSON object, and nothing else."
+        elif self.auto:
+            # The wording a 135M model follows, measured in docs/design-decisions.md ("Tool calls").
+            return (f"You are a helpful assistant with access to the following functions:\n{listed}\n"
+                    'To call functions, respond with JSON {"tool_calls": [{"name": ..., "parameters": {...}}]}, '
+                    f'{many}. To answer without a function, respond with JSON {{"response": "..."}}. '
+                    "Call a function whenever one can answer the question.")
         else:
-            many = "one or more calls" if self.parallel else "exactly one call"
-            ask = (f"Call {'them' if len(self.functions) > 1 else 'it'}: answer with a JSON array of {many}, "
+            ask = (f"Call {'them' if len(self.functions) > 1 else 'it'}: answer with a JSON array of "
+                   f"{'one or more calls' if self.parallel else 'exactly one call'}, "
                    'each {"name": <function name>, "parameters": <its arguments>}, and nothing else.')
         return f"You can call these functions:\n{listed}\n{ask}"
 
+    def written_calls(self, calls: list[dict[str, Any]]) -> str:
+        """Earlier calls (``{"name", "parameters"}`` each) as the model writes them."""
+        return json.dumps({"tool_calls": calls} if self.auto else calls)
+
     def scanner(self) -> "ToolCallScanner":
-        return ToolCallScanner(self.named)
+        return ToolCallScanner(self.named, self.auto)
 
 
-def tool_plan(body: ChatCompletionRequest, template_renders_tools: bool) -> ToolPlan | None:
-    """The request's forced call, None for no call (no tools, or ``"none"``); raises
-    ``ApiError`` for ``"auto"`` and for a forced call beside another output format."""
+def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
+    """The request's tool calls, None for none (no tools, or ``"none"``); raises
+    ``ApiError`` for tools beside another output format."""
     if not body.tools or body.tool_choice == "none":
         return None
     choice = body.tool_choice
-    if choice in (None, "auto"):
-        renders = "renders tools but names no tool_call_parser" if template_renders_tools \
-            else "does not render tools"
-        raise ApiError(400, f"tool_choice 'auto' needs a chat template that renders tools and a parser for the "
-                       f"model's tool-call syntax; this model's template {renders}. Set tool_choice to 'required', "
-                       f"to a named function, or to 'none'", param="tool_choice")
     if body.structured_outputs is not None or (body.response_format is not None
                                                and body.response_format.type != "text"):
-        raise ApiError(400, "a forced tool call fixes the output's format: drop response_format / "
-                       "structured_outputs", param="tool_choice")
+        raise ApiError(400, "tool calls fix the output's format: drop response_format / structured_outputs, "
+                       "or set tool_choice to 'none'", param="tool_choice")
     functions = tuple({"name": t.function.name, "description": t.function.description,
-                       "parameters": t.function.parameters or NO_ARGUMENTS} for t in body.tools)
+                       "parameters": t.function.parameters or NO_ARGUMENTS, "strict": t.function.strict}
+                      for t in body.tools)
     named = choice.function.name if isinstance(choice, NamedToolChoice) else None
-    return ToolPlan(functions, named, body.parallel_tool_calls)
+    return ToolPlan(functions, named, body.parallel_tool_calls, auto=choice in (None, "auto"))
+
+
+def _held_schema(parameters: dict[str, Any], strict: bool | None) -> dict[str, Any]:
+    return parameters if strict is False else closed(parameters)
 
 
 def render_messages(messages: Sequence[ChatMessage], plan: ToolPlan | None) -> list[dict]:
     """The messages the chat template renders: earlier calls as the JSON written for
-    them, and, for a forced call, the tools' system message first."""
+    them, and, with tools, the tools' system message first."""
     rendered = []
     for message in messages:
         item = message.model_dump(exclude_none=True, exclude={"tool_calls", "tool_call_id"})
         if message.tool_calls and not item.get("content"):
-            item["content"] = json.dumps([{"name": c.function.name, "parameters": _arguments(c.function.arguments)}
-                                          for c in message.tool_calls])
+            calls = [{"name": c.function.name, "parameters": _arguments(c.function.arguments)}
+                     for c in message.tool_calls]
+            item["content"] = plan.written_calls(calls) if plan is not None else json.dumps(calls)
         rendered.append(item)
     if plan is not None:
         rendered.insert(0, {"role": "system", "content": plan.instructions()})
@@ -124,29 +190,65 @@ def _arguments(text: str) -> Any:
         return text  # shown as the string it was
 
 
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+def decoded_prefix(raw: str) -> str:
+    """The characters of a JSON string's body written so far (``raw`` follows the opening
+    quote): up to its closing quote, less a trailing escape not yet complete or a high
+    surrogate whose pair has not come, so a prefix of the text decodes to a prefix."""
+    escaped, end = False, len(raw)
+    for i, char in enumerate(raw):
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char == '"':
+            end = i
+            break
+    body = raw[:end]
+    for cut in range(len(body), max(len(body) - 6, 0) - 1, -1):
+        try:
+            text = json.loads(f'"{body[:cut]}"')
+        except json.JSONDecodeError:
+            continue
+        return text[:-1] if text and "\ud800" <= text[-1] <= "\udbff" else text
+    return ""
+
+
 @dataclass
 class _Call:
     id: str
     name: str | None = None
     start: int | None = None     # where its arguments begin in the text
     end: int | None = None       # where they end, once they have
-    sent: int = 0                # characters of its arguments already in a delta
-    announced: bool = False      # its id and name have been in a delta
+    sent: bool = False           # it has been in a delta
 
 
 @dataclass
 class ToolCallScanner:
-    """Reads a forced call's output as it grows (``feed``) and says which calls it holds
-    and what of their arguments is new (``deltas``), in OpenAI's streaming shape.
+    """Reads the output as it grows (``feed``) and says which complete calls it holds
+    (``tool_calls``), which are new (``deltas``, OpenAI's streaming shape) and, for an
+    ``auto`` reply, its text (``content``, ``content_delta``).
 
-    ``named``: the output is that function's arguments, whole. Otherwise it is the
-    ``"required"`` array, read with a small JSON state machine: each element's ``name``
-    string once it closes, and the raw text of its ``parameters`` value -- the model's own
-    characters, so the arguments streamed add up to the arguments returned whole."""
+    ``named``: the output is that function's arguments, whole. Otherwise it holds the
+    array of calls (after ``CALLS_OPENING`` under ``auto``), read with a small JSON state
+    machine: each element's ``name`` string once it closes, and the raw text of its
+    ``parameters`` value -- the model's own characters, so the arguments streamed are the
+    arguments returned whole."""
 
     named: str | None
+    auto: bool = False
     text: str = ""
     calls: list[_Call] = field(default_factory=list)
+    reply: bool | None = None     # auto: a reply (True) or calls (False); None: not yet known
+    _content_sent: int = 0
+    _named_complete: bool = False
     _depth: int = 0
     _in_string: bool = False
     _escaped: bool = False
@@ -161,7 +263,18 @@ class ToolCallScanner:
         if self.named is not None:
             if not self.calls and self.text:
                 self.calls.append(_Call(call_id(), self.named, 0))
+            if self.text.rstrip().endswith("}") and _parses(self.text):
+                self._named_complete = True
             return
+        if self.auto:
+            if self.reply is None:
+                if self.text.startswith(CALLS_OPENING):
+                    self.reply = False
+                elif self.text.startswith(REPLY_OPENING):
+                    self.reply = True
+            if self.reply is not False:
+                return
+            start = max(start, len(CALLS_OPENING))
         for i in range(start, len(self.text)):
             self._step(i, self.text[i])
 
@@ -219,26 +332,45 @@ class ToolCallScanner:
             return ""
         return self.text[call.start: len(self.text) if call.end is None else call.end]
 
+    def _complete(self, call: _Call) -> bool:
+        if call.name is None:
+            return False
+        if self.named is not None:
+            return self._named_complete
+        return call.end is not None and _parses(self.arguments(call))
+
+    def complete_calls(self) -> list[_Call]:
+        """The calls whose arguments are complete JSON, in order (they complete in order)."""
+        return [call for call in self.calls if self._complete(call)]
+
     def deltas(self) -> list[dict]:
-        """OpenAI's ``delta.tool_calls`` entries for what the text added since the last
-        call: a call's first carries its id, type and name (arguments so far), later ones
-        only more arguments. A call is announced once its name is known."""
+        """OpenAI's ``delta.tool_calls`` entries for the calls completed since the last
+        call: each whole, with its id, type, name and arguments."""
         out = []
-        for index, call in enumerate(self.calls):
-            if call.name is None:
-                continue
-            arguments = self.arguments(call)
-            new = arguments[call.sent:]
-            if not call.announced:
-                call.announced = True
+        for index, call in enumerate(self.complete_calls()):
+            if not call.sent:
+                call.sent = True
                 out.append({"index": index, "id": call.id, "type": "function",
-                            "function": {"name": call.name, "arguments": new}})
-            elif new:
-                out.append({"index": index, "function": {"arguments": new}})
-            call.sent = len(arguments)
+                            "function": {"name": call.name, "arguments": self.arguments(call)}})
         return out
 
     def tool_calls(self) -> list[dict]:
-        """The calls in the text, whole: the message's ``tool_calls``."""
+        """The complete calls: the message's ``tool_calls``."""
         return [{"id": call.id, "type": "function", "function": {"name": call.name, "arguments": self.arguments(call)}}
-                for call in self.calls if call.name is not None]
+                for call in self.complete_calls()]
+
+    def content(self) -> str | None:
+        """An ``auto`` reply's text so far; None for calls."""
+        return decoded_prefix(self.text[len(REPLY_OPENING):]) if self.reply else None
+
+    def content_delta(self) -> str:
+        """The reply's text added since the last call."""
+        text = self.content() or ""
+        new, self._content_sent = text[self._content_sent:], len(text)
+        return new
+
+    def message(self) -> dict[str, Any]:
+        """The whole response's assistant message."""
+        if self.reply:
+            return {"role": "assistant", "content": self.content()}
+        return {"role": "assistant", "content": None, "tool_calls": self.tool_calls() or None}

@@ -30,6 +30,10 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
          {"type": "function", "function": {"name": "get_time", "description": "Get the local time in a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                           "required": ["city"], "additionalProperties": False}}}]
+# A tool as a user writes one: no additionalProperties, so it is held closed (strict by default)
+CITY_WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 DATE = r"\d{4}-\d{2}-\d{2}"
 
 
@@ -57,6 +61,13 @@ CASES = {
                            tool_choice="required", parallel_tool_calls=False),
                       lambda m: len(m.tool_calls) == 1 and m.tool_calls[0].function.name in ("get_weather", "get_time")
                       and json.loads(m.tool_calls[0].function.arguments)["city"] == "Paris"),
+    # tool_choice "auto" (the client's default with tools): one tool, a question it
+    # answers, then one it does not
+    "auto_tool_call": (dict(messages=user("What's the weather in Paris?"), tools=CITY_WEATHER),
+                       lambda m: [c.function.name for c in m.tool_calls] == ["get_weather"]
+                       and json.loads(m.tool_calls[0].function.arguments)["city"] == "Paris"),
+    "auto_reply": (dict(messages=user("Say hello"), tools=CITY_WEATHER),
+                   lambda m: m.tool_calls is None and "hello" in m.content.lower()),
     # "Which city": asked "What is the capital of Italy?" the default (fast) format picks
     # Berlin, float32 Rome: a near tie at this 135M model's first token (docs/models.md).
     "choice": (dict(messages=user("Which city is the capital of Italy? Answer with one word."),
@@ -82,13 +93,14 @@ def ask(client, mode: str, case: dict) -> dict:
 @pytest.mark.parametrize("name", list(CASES))
 def test_each_format_is_obeyed_and_token_identical_to_constrained_target_only_streamed_and_not(client, name):
     case, obeyed = CASES[name]
-    tool, expected = "tools" in case, None
+    expected = None
     for mode in MODES:  # "none" first: constrained target-only, the reference
         request = ask(client, mode, case)
         whole = client.chat.completions.create(**request).choices[0]
         if expected is None:
             expected = whole
             assert obeyed(expected.message), expected.message
+            tool = expected.message.tool_calls is not None
             assert expected.finish_reason == ("tool_calls" if tool else "stop")
         content, calls, finish, ids = stream_chat(client, **request)
         assert whole.model_extra["token_ids"] == ids == expected.model_extra["token_ids"], mode
@@ -115,11 +127,25 @@ def test_a_conversation_goes_on_after_a_tool_call(client):
     assert reply.message.tool_calls is None and reply.message.content
 
 
-def test_auto_tool_choice_and_bad_schemas_are_400s_naming_the_problem(client):
-    with pytest.raises(openai.BadRequestError, match="tool_choice 'auto'") as refused:
-        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=user("Weather in Paris?"),
-                                       max_tokens=8, tools=TOOLS)
-    assert refused.value.body["param"] == "tool_choice"
+def test_a_tool_call_cut_by_max_tokens_is_never_returned_with_broken_arguments(client):
+    """Three calls asked for, and the output cut inside the first, the second and the
+    third: what comes back parses, whole and streamed, and says it was cut."""
+    cut = 0
+    for max_tokens in (12, 24, 40):
+        request = dict(model="SmolLM2-135M-Instruct", messages=user("Weather in Paris, Rome and Oslo?"),
+                       temperature=0, tools=TOOLS, tool_choice="required", max_tokens=max_tokens)
+        whole = client.chat.completions.create(**request).choices[0]
+        content, calls, finish, _ = stream_chat(client, **request)
+        assert whole.finish_reason == finish and content == ""
+        cut += finish == "length"
+        returned = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or ()]
+        assert returned == [(c["name"], c["arguments"]) for c in calls]
+        for _, arguments in returned:
+            assert isinstance(json.loads(arguments), dict)
+    assert cut >= 2
+
+
+def test_bad_schemas_are_400s_naming_the_problem(client):
     with pytest.raises(openai.BadRequestError, match="Unknown format: postcode") as refused:
         client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=user("x"), max_tokens=8,
                                        response_format={"type": "json_schema", "json_schema": {

@@ -41,12 +41,6 @@ class ChatTemplate:
         token = lambda v: v.get("content", "") if isinstance(v, dict) else (v or "")  # noqa: E731
         return cls(template, token(config.get("bos_token")), token(config.get("eos_token")))
 
-    @property
-    def renders_tools(self) -> bool:
-        """Whether the template reads a ``tools`` variable (a tool-aware template, as Hugging
-        Face's convention passes the tools)."""
-        return self.source is not None and "tools" in self.source
-
     def render(self, messages: Sequence[dict]) -> str:
         if not messages:
             raise InvalidRequestError("messages must contain at least one message")
