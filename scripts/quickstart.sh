@@ -6,4 +6,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-exec .venv/bin/python -m cluster.local "$@"
+exec .venv/bin/specserve serve "$@"
