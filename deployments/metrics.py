@@ -1,12 +1,16 @@
 """Prometheus metrics through ``ray.serve.metrics`` (they reach the Ray dashboard and
 any Prometheus that scrapes Ray's metrics endpoint).
 
-The speculative counters carry vLLM's names (``spec_decode_num_drafts``,
-``spec_decode_num_draft_tokens``, ``spec_decode_num_accepted_tokens``,
-``spec_decode_num_accepted_tokens_per_pos``), and so do the prefix cache's
-(``prefix_cache_queries``, ``prefix_cache_hits``: prompt tokens looked up, and found
-cached), so dashboards built for vLLM read them; Ray's exporter adds its ``ray_``
-prefix. Every metric is tagged with the proposer mode where one applies, and Serve adds
+What vLLM also measures carries vLLM's names, as Ray Serve LLM exports vLLM's own
+(``vllm:`` becomes ``vllm_``: Ray's metric names take no colon; Ray's exporter adds its
+``ray_`` prefix), so dashboards built for vLLM on Ray read them: the load
+(``vllm_num_requests_running``, ``vllm_num_requests_waiting``,
+``vllm_kv_cache_usage_perc``), the latencies (``vllm_time_to_first_token_seconds``,
+``vllm_inter_token_latency_seconds``, ``vllm_e2e_request_latency_seconds``), the
+speculative counters (``spec_decode_num_drafts``, ``spec_decode_num_draft_tokens``,
+``spec_decode_num_accepted_tokens``, ``spec_decode_num_accepted_tokens_per_pos``) and the
+prefix cache's (``prefix_cache_queries``, ``prefix_cache_hits``: prompt tokens looked up,
+and found cached). What vLLM has no name for is ``specserve_*``. Every metric is tagged with the proposer mode where one applies, and Serve adds
 the deployment, replica and application tags.
 """
 from __future__ import annotations
@@ -74,13 +78,13 @@ class ServeRoundMetrics(RoundMetrics):
             "specserve_round_latency_s", "one tick: every active sequence of a lane advanced by one round",
             boundaries=LATENCY_BUCKETS_S)
         self.ttft = metrics.Histogram(
-            "specserve_time_to_first_token_s", "request arrival to first committed token", boundaries=LATENCY_BUCKETS_S,
+            "vllm_time_to_first_token_seconds", "request arrival to first committed token", boundaries=LATENCY_BUCKETS_S,
             tag_keys=MODE)
         self.itl = metrics.Histogram(
-            "specserve_inter_token_latency_s", "gap between successive committed tokens of a request",
+            "vllm_inter_token_latency_seconds", "gap between successive committed tokens of a request",
             boundaries=LATENCY_BUCKETS_S, tag_keys=MODE)
         self.e2e = metrics.Histogram(
-            "specserve_e2e_latency_s", "request arrival to its last token", boundaries=LATENCY_BUCKETS_S,
+            "vllm_e2e_request_latency_seconds", "request arrival to its last token", boundaries=LATENCY_BUCKETS_S,
             tag_keys=MODE)
         self.draft_length_histogram = metrics.Histogram(
             "specserve_draft_length", "drafts adaptive speculation chose for one sequence's round (0 = a plain "
@@ -88,7 +92,9 @@ class ServeRoundMetrics(RoundMetrics):
         self._draft_lengths: list[tuple[str, int]] = []  # of the tick in progress
         self.requests = metrics.Counter(
             "specserve_requests", "finished requests by outcome", tag_keys=("mode", "outcome"))
-        self.active = metrics.Gauge("specserve_active_sequences", "sequences being decoded")
+        self.running = metrics.Gauge("vllm_num_requests_running", "sequences being decoded")
+        self.waiting = metrics.Gauge("vllm_num_requests_waiting", "sequences waiting for KV to be admitted")
+        self.kv_usage = metrics.Gauge("vllm_kv_cache_usage_perc", "fraction of KV blocks reserved (1 = full)")
         self.kv_used = metrics.Gauge("specserve_kv_blocks_used", "KV blocks reserved by running sequences")
         self.kv_free = metrics.Gauge("specserve_kv_blocks_free", "KV blocks free for admission")
         self.kv_cached = metrics.Gauge("specserve_kv_blocks_cached", "KV blocks no sequence holds that keep a cached "
@@ -116,7 +122,7 @@ class ServeRoundMetrics(RoundMetrics):
         """Flush the tick's round counts: one increment per series per tick, not per
         sequence-round (recording a metric costs tens of microseconds of router CPU)."""
         self.round_latency.observe(seconds)
-        self.active.set(active)
+        self.running.set(active)
         pending, self._pending = self._pending, defaultdict(int)
         for (counter, tags), value in pending.items():
             if value:
@@ -171,7 +177,13 @@ class ServeRoundMetrics(RoundMetrics):
             self.itl.observe(current - previous, tags)
         self.e2e.observe(stamps[-1] - arrived, tags)
 
+    def load(self, running: int, waiting: int) -> None:
+        """Kept current between ticks too (an idle router ticks no more)."""
+        self.running.set(running)
+        self.waiting.set(waiting)
+
     def kv(self, usage: dict) -> None:
+        self.kv_usage.set(usage["reserved_blocks"] / usage["total_blocks"] if usage["total_blocks"] else 0.0)
         self.kv_used.set(usage["reserved_blocks"])
         self.kv_free.set(usage["free_blocks"])
         self.kv_cached.set(usage["cached_blocks"])

@@ -197,6 +197,7 @@ class Router:
             try:
                 usage = await self.transport.kv_call("usage")
                 self.metrics.kv(usage)
+                self.metrics.load(self.coordinator.active, self.coordinator.waiting)
                 self._target_pools = usage["replicas"]
             except Exception as exc:  # noqa: BLE001 - a restarting KV manager must not stop the loop
                 log.debug("KV usage unavailable: %s", exc)

@@ -542,7 +542,7 @@ def test_prometheus_counters_agree_with_the_stats_responses_reported(client, met
     counters = {"ray_spec_decode_num_draft_tokens_total": "draft_tokens",
                 "ray_spec_decode_num_accepted_tokens_total": "accepted_tokens",
                 "ray_specserve_verify_rounds_total": "rounds"}
-    ttft = "ray_specserve_time_to_first_token_s_count"
+    ttft = "ray_vllm_time_to_first_token_seconds_count"
     before = {name: _scrape(metrics_url, name, mode="shared_kv") for name in [*counters, ttft]}
     before_pos = [_scrape(metrics_url, "ray_spec_decode_num_accepted_tokens_per_pos_total", mode="shared_kv",
                           position=str(i)) for i in range(4)]

@@ -160,6 +160,7 @@ class RoundCoordinator:
         self._call_clock = SerialCallClock()  # what a call cost, less its wait behind other lanes' calls
         self.planner: DraftLengthPlanner | None = None  # made when a request first adapts
         self._costed_modes: set[str] = set()  # modes whose measured draft costs the planner has
+        self.waiting = 0  # sequences waiting for their KV to be admitted
 
     @property
     def active(self) -> int:
@@ -181,6 +182,7 @@ class RoundCoordinator:
         loop = asyncio.get_running_loop()
         runs = [_Run(driver, loop.create_future()) for driver in drivers]
         queries = [driver.cache_query for driver in drivers]
+        self.waiting += len(drivers)
         try:
             if len(drivers) == 1:
                 grants = [await self.transport.admit(drivers[0].seq_id, drivers[0].kv_tokens, [], queries[0])]
@@ -191,6 +193,8 @@ class RoundCoordinator:
             for driver in drivers:  # an admit may land after we left
                 asyncio.ensure_future(self.transport.release(driver.seq_id))
             raise
+        finally:
+            self.waiting -= len(drivers)
         for run, grant, query in zip(runs, grants, queries):
             self._granted(run, grant, query)
             lane = self._lane_with_room()
