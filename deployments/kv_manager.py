@@ -12,10 +12,21 @@ when its prefill is done (to share its prompt's blocks) and once to release (and
 new replica to find its worker). It is also where a target replica's prefix cache is
 looked up and prefix-aware routing happens (``engine.kv.block_ledger``). A replica that
 Serve is stopping drains: its pool takes no new admissions while its sequences finish.
+
+Routers hold **leases**. A router names its sequences ``<owner>:<request>`` and renews
+its owner's lease every second (``renew``, the call that also reads the KV gauges). An
+owner not heard from for ``lease_s`` is dead -- killed, crashed, or cut off -- and the
+reaper reclaims its sequences: each target worker frees their pages, then the ledger
+frees their blocks, so a router's death never shrinks capacity for good. An owner this
+manager has never heard from (it restarted, and the target replicas re-registered their
+live grants) gets ``lease_s`` from the manager's start. Sequence ids without an owner
+(the in-process engine's) are never reaped.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from typing import Hashable, Sequence
 
 from engine.kv.admission import Admission
@@ -24,12 +35,34 @@ from engine.kv.replica_choice import ReplicaRouting
 
 log = logging.getLogger("specserve.kv_manager")
 
+OWNER_SEPARATOR = ":"
+# A router renews every second (Router._report_kv); 15 missed renewals is a dead router,
+# not a busy one, and its blocks are back well within half a minute.
+LEASE_S = 15.0
+REAP_PERIOD_S = 2.0
+
+
+def owned_seq_id(owner: str, request: str) -> str:
+    return f"{owner}{OWNER_SEPARATOR}{request}"
+
+
+def owner_of(seq_id: Hashable) -> str | None:
+    if isinstance(seq_id, str) and OWNER_SEPARATOR in seq_id:
+        return seq_id.split(OWNER_SEPARATOR, 1)[0]
+    return None
+
 
 class KVManager:
-    def __init__(self, admission_timeout_s: float = 30.0, routing: ReplicaRouting = "prefix_aware") -> None:
+    def __init__(self, admission_timeout_s: float = 30.0, routing: ReplicaRouting = "prefix_aware",
+                 lease_s: float = LEASE_S) -> None:
         self.admission = Admission(admission_timeout_s, routing)
         self.workers: dict[str, object] = {}  # replica -> the worker actor holding its pool
         self.draining: set[str] = set()  # replicas being stopped: no new admissions
+        self.lease_s = lease_s
+        self.started = time.monotonic()
+        self.renewed: dict[str, float] = {}  # owner -> when its lease was last renewed
+        self.reclaimed = 0  # sequences reclaimed from dead owners
+        self._reaper: asyncio.Task | None = None
 
     async def register_pool(self, replica: str, num_blocks: int, block_size: int,
                             live: dict[Hashable, list[int]] | None = None, worker=None,
@@ -62,10 +95,12 @@ class KVManager:
                     ) -> Grant:
         """Reserve KV for a request, waiting up to the admission timeout for room; its
         prefill's tokens (``prefix``) pick the replica and the cached blocks it shares."""
+        self._heard_from([seq_id])
         return await self.admission.admit(seq_id, tokens, [*avoid, *self.draining], prefix)
 
     async def admit_many(self, requests: list[tuple], avoid: Sequence[str] = ()) -> list[Grant]:
         """Reserve KV for a request's choices: all at once or none (``Admission.admit_many``)."""
+        self._heard_from([request[0] for request in requests])
         return await self.admission.admit_many(requests, [*avoid, *self.draining])
 
     async def publish(self, seq_id: Hashable, tokens: Sequence[int]) -> int:
@@ -82,4 +117,54 @@ class KVManager:
         return dropped
 
     async def usage(self) -> dict:
-        return {**self.admission.usage(), "draining": sorted(self.draining)}
+        return {**self.admission.usage(), "draining": sorted(self.draining), "reclaimed": self.reclaimed}
+
+    # -- leases --------------------------------------------------------------------------
+    async def renew(self, owner: str) -> dict:
+        """``owner`` is alive; returns ``usage()``."""
+        self.renewed[owner] = time.monotonic()
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.ensure_future(self._reap_forever())
+        return await self.usage()
+
+    def _heard_from(self, seq_ids: Sequence[Hashable]) -> None:
+        """An admission renews its owner's lease: a router's first request never waits on
+        its first renewal."""
+        for owner in {owner_of(seq_id) for seq_id in seq_ids} - {None}:
+            self.renewed[owner] = time.monotonic()
+
+    def _expired(self, owner: str, now: float) -> bool:
+        return now - self.renewed.get(owner, self.started) > self.lease_s
+
+    async def reap(self) -> int:
+        """Reclaim the sequences of every owner whose lease expired; returns how many."""
+        now = time.monotonic()
+        dead: dict[str, list[Hashable]] = {}
+        for seq_id, replica in self.admission.ledger.sequences():
+            owner = owner_of(seq_id)
+            if owner is not None and self._expired(owner, now):
+                dead.setdefault(replica, []).append(seq_id)
+        for replica, seq_ids in dead.items():
+            worker = self.workers.get(replica)
+            if worker is not None:
+                try:  # its pages first: the ledger may grant the blocks again at once
+                    await worker.step.remote(replica, [], [], seq_ids)
+                except Exception as exc:  # noqa: BLE001 - a dead replica's pages went with it
+                    log.warning("target replica %s did not free reclaimed sequences: %s", replica, exc)
+            for seq_id in seq_ids:
+                await self.admission.release(seq_id)
+        for owner in [o for o in self.renewed if self._expired(o, now)]:
+            del self.renewed[owner]
+        count = sum(len(ids) for ids in dead.values())
+        if count:
+            self.reclaimed += count
+            log.warning("reclaimed %d sequences of routers whose lease expired (%s s)", count, self.lease_s)
+        return count
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(REAP_PERIOD_S)
+            try:
+                await self.reap()
+            except Exception:  # noqa: BLE001 - the next period tries again
+                log.exception("reaping expired leases failed")

@@ -42,6 +42,7 @@ from engine.speculative.proposers.registry import PROPOSER_KINDS
 from engine.speculative.sequence import TokenEvent
 
 from .choices import admit_all, all_choices, choice_options
+from .kv_manager import owned_seq_id
 from .metrics import ServeRoundMetrics
 from .openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .openai_responses import SSE_DONE, ChoiceEvent, Echo, ResponseShaper
@@ -128,6 +129,7 @@ class Router:
         self.coordinator: RoundCoordinator | None = None
         self.max_context = self.max_tokens_cap = 0
         self.metrics = ServeRoundMetrics()
+        self.owner = uuid.uuid4().hex[:12]  # names this router's sequences and its lease (kv_manager.py)
         self.started = int(time.time())  # the model card's ``created``
         self._open_streams = 0  # streaming responses in progress: they share the write budget
         self.write_budget = WriteBudget(self.settings.stream_writes_per_s)
@@ -195,7 +197,7 @@ class Router:
         many target pools are live: none means requests would only wait (``_ensure_ready``)."""
         while True:
             try:
-                usage = await self.transport.kv_call("usage")
+                usage = await self.transport.kv_call("renew", self.owner)  # this router's lease
                 self.metrics.kv(usage)
                 self.metrics.load(self.coordinator.active, self.coordinator.waiting)
                 self._target_pools = usage["replicas"]
@@ -391,7 +393,8 @@ class Router:
                 if body.stream:
                     queue.put_nowait(ChoiceEvent(index, event))
 
-            drivers.append(self.factory.create(uuid.uuid4().hex, prompt_ids, choice, on_token, speculation))
+            drivers.append(self.factory.create(owned_seq_id(self.owner, uuid.uuid4().hex), prompt_ids, choice,
+                                               on_token, speculation))
             stamps.append(times)
         # 503 here, before any stream starts; a choice that cannot be admitted takes its siblings with it
         try:

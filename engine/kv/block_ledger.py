@@ -196,6 +196,10 @@ class BlockLedger:
             entry.named, entry.chain = full, names[-1]
         return entry.named
 
+    def sequences(self) -> list[tuple[Hashable, str]]:
+        """Every sequence holding a grant, with the replica it is on."""
+        return [(seq_id, entry.replica) for seq_id, entry in self._seqs.items()]
+
     def release(self, seq_id: Hashable, tokens: Sequence[int] | None = None) -> bool:
         """The sequence is done and its target freed its pages; ``tokens``, where given,
         are its tokens whose KV was final there (``publish`` them first). Its named blocks
