@@ -1,6 +1,6 @@
 """Loading proposer heads: their ONNX sessions, their configs, and the target arrays
 (embedding table, LM head) they need outside their graphs (``LinearEmbedder`` /
-``LinearLmHead``, named after the Rust engine's)."""
+``LinearLmHead``, named after ``speculative.rs``'s)."""
 from __future__ import annotations
 
 import json

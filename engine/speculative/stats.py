@@ -1,5 +1,5 @@
-"""Speculative statistics, per request and cumulative: the four counters of the Rust
-engine specserve reimplements (verification steps, proposed, accepted and multi-token
+"""Speculative statistics, per request and cumulative: the four counters of
+``speculative.rs`` (verification steps, proposed, accepted and multi-token
 accepts), plus acceptance per draft position and the mean accepted length tau."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ class SpeculativeStats:
     verification_steps: int = 0      # target verify passes (rounds)
     proposed_tokens: int = 0
     accepted_tokens: int = 0
-    multi_token_accepts: int = 0     # rounds that accepted >= 2 drafts (as the Rust engine counts them)
+    multi_token_accepts: int = 0     # rounds that accepted >= 2 drafts (as ``speculative.rs`` counts them)
     committed_tokens: int = 0        # tokens committed by rounds (accepted drafts + corrections/bonuses)
     proposed_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)

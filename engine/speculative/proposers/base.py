@@ -1,7 +1,7 @@
 """The proposer protocol: every source of draft tokens looks the same to the round loop.
 
-Mirrors the ``SpeculativeProposer`` trait of the Rust engine specserve reimplements
-(every proposer here is a port of one of its proposers): ``propose`` drafts tokens for one verify
+Mirrors the ``SpeculativeProposer`` trait of ``speculative.rs``, the Rust speculative-decoding engine
+specserve reimplements (each proposer here behaves as one of its proposers): ``propose`` drafts tokens for one verify
 pass, ``accept`` hears what the target committed, ``rewind`` re-aligns private state to
 the target's committed tokens, ``name`` identifies the mode. ``close`` releases
 per-request resources (a draft model's KV blocks). ``propose_batch`` drafts for several

@@ -1,5 +1,5 @@
-"""Draft-model proposer: a small LM with its own paged KV cache, ported from the Rust
-engine's ``DraftModelProposer``. Before proposing it aligns its cache to the target's committed
+"""Draft-model proposer: a small LM with its own paged KV cache, behaving as
+``DraftModelProposer`` in ``speculative.rs``. Before proposing it aligns its cache to the target's committed
 prefix (rewind to the common prefix, feed what is missing); after each round it rewinds
 to the common prefix again.
 

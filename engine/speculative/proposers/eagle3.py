@@ -1,4 +1,4 @@
-"""EAGLE-3 head proposer, ported from the Rust engine's ``Eagle3Proposer``: target low|mid|high hidden
+"""EAGLE-3 head proposer, behaving as ``Eagle3Proposer`` in ``speculative.rs``: target low|mid|high hidden
 states fused, a recycled hidden state threaded step to step, a fresh state every pass
 (its own KV lives only within one ``propose_batch``, so nothing is kept between rounds),
 and an optional reduced draft vocabulary (``d2t``).

@@ -1,8 +1,8 @@
-"""Multi-token-prediction head proposer (Qwen3.5 / DeepSeek MTP style), ported from the
-Rust engine's ``MtpProposer``: target final hidden + target embedding of the guaranteed token in,
+"""Multi-token-prediction head proposer (Qwen3.5 / DeepSeek MTP style), behaving as
+``MtpProposer`` in ``speculative.rs``: target final hidden + target embedding of the guaranteed token in,
 ``mtp_hidden`` out, read through the target's LM head; the hidden state is threaded.
 
-It restarts every pass from a fresh target anchor (the Rust engine's "hidden threaded"
+It restarts every pass from a fresh target anchor (``speculative.rs``'s "hidden threaded"
 mode), so it keeps nothing between rounds and drafts for a whole batch in one run per
 step. That engine's "cached" mode, which keeps the head's KV across rounds, is not implemented:
 the anchor already carries the target's state at the last accepted position. A head

@@ -1,4 +1,4 @@
-"""Model-free prompt lookup (n-gram copy), ported from the Rust engine's ``NgramProposer``."""
+"""Model-free prompt lookup (n-gram copy), behaving as ``NgramProposer`` in ``speculative.rs``."""
 from __future__ import annotations
 
 from engine.config import SpeculativeConfig

@@ -1,11 +1,11 @@
-"""Shared-KV assistant proposer (Gemma-4 ``*-assistant`` style), ported from the Rust
-engine's ``SharedKvProposer``: no KV cache of its own; it reads per-group slices of the target's
+"""Shared-KV assistant proposer (Gemma-4 ``*-assistant`` style), behaving as
+``SharedKvProposer`` in ``speculative.rs``: no KV cache of its own; it reads per-group slices of the target's
 paged KV (each from the one target layer bound to the group, with that layer's own
 head count and head dim), holds its position constant, and threads its
 ``projected_state``.
 
 Two ways to start the chain, named by the head's ``config.json`` (``draft_feed``):
-- ``bootstrap`` (the Rust engine's, and the bundled assistant's): a first step on the last
+- ``bootstrap`` (``speculative.rs``'s, and the bundled assistant's): a first step on the last
   token in the target KV paired with the target's hidden state there, at that token's
   position; its draft is discarded, and the pending token follows with the assistant's
   own state;
