@@ -1,34 +1,28 @@
-"""Pictures of the latest bench records, as SVG beside them (no plotting library):
+"""Pictures of bench records: a PNG beside each record that has one (matplotlib, the
+``bench`` extra; never a runtime dependency).
 
-    .venv/bin/python bench/plots.py [--records docs/benchmarks]
+    .venv/bin/python bench/plots.py [--records docs/benchmarks]   # redraw from the latest records
 
-- ``speed-vs-streams.svg``: tokens/s against concurrent streams per mode, adaptive and at
-  a fixed k, from the latest ``adaptive`` record;
-- ``acceptance-per-position.svg``: each proposer's acceptance at every draft position, at
-  its longest draft length, from the latest ``heads`` record.
+- ``adaptive-*.png``: tokens/s against concurrent streams per mode, adaptive and at a
+  fixed k;
+- ``heads-*.png``: each proposer's acceptance per draft position, at its longest k;
+- ``tasks-*.png``: the task suite, speed over target-only per mode and kind of task, at
+  each stream count.
 
-Each picture is redrawn from the record's text table, so it always shows the numbers the
-record holds; run it after a bench re-records.
+``bench/record.py`` draws a record's picture when it writes the record, so a picture
+always shows the numbers its record holds.
 """
 from __future__ import annotations
 
 import argparse
 import re
+import sys
 from pathlib import Path
-from typing import Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
-COLOURS = ("#444444", "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2")
-WIDTH, HEIGHT, LEFT, RIGHT, TOP, BOTTOM = 720, 420, 70, 190, 40, 50
+BENCHES = ("adaptive", "heads", "tasks")
 
-Series = tuple[str, list[tuple[float, float]], bool]  # name, points, dashed
-
-
-def latest(records: Path, bench: str) -> Path:
-    found = sorted(records.glob(f"{bench}-*.md"))
-    if not found:
-        raise SystemExit(f"no {bench} record under {records}")
-    return found[-1]
+Series = tuple[str, list[tuple[float, float]]]
 
 
 def output_lines(record: Path) -> list[str]:
@@ -46,9 +40,8 @@ def speed_series(record: Path) -> list[Series]:
         cells = line.split()
         if not cells or not cells[0].isdigit():
             break
-        values = [float(v) for v in re.findall(r"(?<![(\d.])(\d+\.\d+)(?!x)", line)]
-        rows.append((float(cells[0]), values))
-    return [(name, [(streams, values[i]) for streams, values in rows if i < len(values)], "k=" in name)
+        rows.append((float(cells[0]), [float(v) for v in re.findall(r"(?<![(\d.])(\d+\.\d+)(?!x)", line)]))
+    return [(name, [(streams, values[i]) for streams, values in rows if i < len(values)])
             for i, name in enumerate(columns)]
 
 
@@ -61,68 +54,87 @@ def acceptance_series(record: Path) -> list[Series]:
             k = int(match.group(2))
             if k >= longest.get(match.group(1), (0, []))[0]:
                 longest[match.group(1)] = (k, [float(v) for v in match.group(3).split()])
-    return [(f"{mode} (k={k})", [(i + 1, a) for i, a in enumerate(values)], False)
-            for mode, (k, values) in longest.items()]
+    return [(f"{mode} (k={k})", [(i + 1, a) for i, a in enumerate(values)]) for mode, (k, values) in longest.items()]
 
 
-def svg_chart(series: Sequence[Series], title: str, x_label: str, y_label: str, log_x: bool = False,
-              y_max: float | None = None) -> str:
-    import math
+def task_tables(record: Path) -> dict[int, dict[str, dict[str, float]]]:
+    """streams -> kind -> mode -> speed over target-only."""
+    tables: dict[int, dict[str, dict[str, float]]] = {}
+    streams = None
+    for line in output_lines(record):
+        header = re.search(r"(\d+) stream\(s\)", line)
+        if header:
+            streams = int(header.group(1))
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if streams is not None and len(cells) == 8 and cells[6].endswith("x"):
+            tables.setdefault(streams, {}).setdefault(cells[0], {})[cells[1]] = float(cells[6][:-1])
+    return tables
 
-    xs = [x for _, points, _ in series for x, _ in points]
-    ys = [y for _, points, _ in series for _, y in points]
-    fx = (lambda v: math.log2(v)) if log_x else (lambda v: v)
-    x_lo, x_hi = fx(min(xs)), fx(max(xs))
-    x_hi = x_hi if x_hi > x_lo else x_lo + 1
-    y_hi = y_max if y_max is not None else max(ys) * 1.1
-    plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
 
-    def px(x: float) -> float:
-        return LEFT + (fx(x) - x_lo) / (x_hi - x_lo) * plot_w
+def draw(record: Path) -> Path | None:
+    """The record's picture beside it (``<record>.png``); None for a bench without one."""
+    bench = record.name.rsplit("-", 3)[0]
+    if bench not in BENCHES:
+        return None
+    import matplotlib
 
-    def py(y: float) -> float:
-        return TOP + plot_h - y / y_hi * plot_h
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
 
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" font-family="sans-serif" '
-           f'font-size="12"><rect width="100%" height="100%" fill="white"/>',
-           f'<text x="{WIDTH / 2}" y="22" text-anchor="middle" font-size="15">{title}</text>',
-           f'<line x1="{LEFT}" y1="{TOP + plot_h}" x2="{LEFT + plot_w}" y2="{TOP + plot_h}" stroke="black"/>',
-           f'<line x1="{LEFT}" y1="{TOP}" x2="{LEFT}" y2="{TOP + plot_h}" stroke="black"/>',
-           f'<text x="{LEFT + plot_w / 2}" y="{HEIGHT - 12}" text-anchor="middle">{x_label}</text>',
-           f'<text transform="translate(18,{TOP + plot_h / 2}) rotate(-90)" text-anchor="middle">{y_label}</text>']
-    for x in sorted(set(xs)):
-        out.append(f'<text x="{px(x):.1f}" y="{TOP + plot_h + 18}" text-anchor="middle">{x:g}</text>')
-    for i in range(6):
-        y = y_hi * i / 5
-        out.append(f'<line x1="{LEFT}" y1="{py(y):.1f}" x2="{LEFT + plot_w}" y2="{py(y):.1f}" stroke="#e0e0e0"/>')
-        out.append(f'<text x="{LEFT - 6}" y="{py(y) + 4:.1f}" text-anchor="end">{y:.3g}</text>')
-    modes = list(dict.fromkeys(name.split(" ")[0] for name, _, _ in series))  # a mode's lines share a colour
-    for index, (name, points, dashed) in enumerate(series):
-        colour = COLOURS[modes.index(name.split(" ")[0]) % len(COLOURS)]
-        dash = ' stroke-dasharray="5,4"' if dashed else ""
-        path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in points)
-        out.append(f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="2"{dash}/>')
-        out += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{colour}"/>' for x, y in points]
-        ly = TOP + 14 + index * 17
-        out.append(f'<line x1="{WIDTH - RIGHT + 12}" y1="{ly - 4}" x2="{WIDTH - RIGHT + 36}" y2="{ly - 4}" '
-                   f'stroke="{colour}" stroke-width="2"{dash}/>')
-        out.append(f'<text x="{WIDTH - RIGHT + 42}" y="{ly}">{name}</text>')
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
+    if bench == "tasks":
+        tables = task_tables(record)
+        figure, axes = plt.subplots(1, len(tables), figsize=(6 * len(tables), 4.2), squeeze=False)
+        for axis, (streams, kinds) in zip(axes[0], sorted(tables.items())):
+            modes = list(next(iter(kinds.values())))
+            width = 0.8 / len(kinds)
+            for i, (kind, speeds) in enumerate(kinds.items()):
+                axis.bar([m + i * width for m in range(len(modes))], [speeds.get(mode, 0) for mode in modes],
+                         width, label=kind)
+            axis.axhline(1.0, color="black", linewidth=0.8)
+            axis.set_xticks([m + width * (len(kinds) - 1) / 2 for m in range(len(modes))], modes, rotation=30,
+                            ha="right")
+            axis.set_title(f"{streams} stream{'s' if streams > 1 else ''}")
+            axis.set_ylabel("speed over target-only")
+            axis.legend(fontsize=8)
+        figure.suptitle(f"Task suite, greedy, adaptive ({record.name})")
+    else:
+        figure, axis = plt.subplots(figsize=(7.5, 4.5))
+        series = speed_series(record) if bench == "adaptive" else acceptance_series(record)
+        colours = {}
+        for name, points in series:
+            mode = name.split(" ")[0]
+            colours.setdefault(mode, f"C{len(colours)}")
+            axis.plot([x for x, _ in points], [y for _, y in points], marker="o", color=colours[mode],
+                      linestyle="--" if " k=" in name else "-", label=name)
+        if bench == "adaptive":
+            axis.set_xscale("log", base=2)
+            ticks = sorted({x for _, points in series for x, _ in points})
+            axis.set_xticks(ticks, [f"{x:g}" for x in ticks])
+            axis.set(xlabel="concurrent streams", ylabel="tokens/s",
+                     title=f"Speed against streams, dashed: fixed k ({record.name})")
+        else:
+            axis.set(xlabel="draft position", ylabel="acceptance", ylim=(0, 1),
+                     title=f"Acceptance per draft position ({record.name})")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7, ncol=2)
+    figure.tight_layout()
+    path = record.with_suffix(".png")
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--records", type=Path, default=ROOT / "docs/benchmarks")
     args = parser.parse_args(argv)
-    adaptive, heads = latest(args.records, "adaptive"), latest(args.records, "heads")
-    charts = {"speed-vs-streams.svg": svg_chart(speed_series(adaptive), f"Speed against streams ({adaptive.name}; "
-                                                "dashed: k = 4)", "streams", "tokens/s", log_x=True),
-              "acceptance-per-position.svg": svg_chart(acceptance_series(heads), f"Acceptance per draft position "
-                                                       f"({heads.name})", "draft position", "acceptance", y_max=1.0)}
-    for name, svg in charts.items():
-        (args.records / name).write_text(svg)
-        print(f"wrote {args.records / name}")
+    for bench in BENCHES:
+        found = sorted(args.records.glob(f"{bench}-*.md"))
+        if found:
+            print(f"wrote {draw(found[-1])}")
+        else:
+            print(f"no {bench} record under {args.records}", file=sys.stderr)
     return 0
 
 

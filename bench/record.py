@@ -76,6 +76,25 @@ def recording(directory: Path | None, bench: str, model: str | Path | None = Non
         sys.stdout = terminal
     path = write(directory, bench, buffer.getvalue(), facts, started)
     print(f"record written: {path}", file=sys.stderr)
+    _draw(path)
+
+
+def _draw(record: Path) -> None:
+    """The record's picture beside it, where its bench has one (``bench/plots.py``)."""
+    try:
+        from bench import plots
+    except ImportError:
+        return
+    try:
+        picture = plots.draw(record)
+    except ImportError:
+        print("no picture drawn: matplotlib is not installed (pip install -e '.[bench]')", file=sys.stderr)
+        return
+    except Exception as exc:  # noqa: BLE001 - a run that printed less (fewer modes) still keeps its record
+        print(f"no picture drawn: {exc!r}", file=sys.stderr)
+        return
+    if picture is not None:
+        print(f"picture written: {picture}", file=sys.stderr)
 
 
 # A line Ray's log monitor forwards to the driver's stdout from its own processes
@@ -84,10 +103,10 @@ RAY_LOG_LINE = re.compile(r"^(\x1b\[[0-9;]*m)?\((raylet|[\w:.-]+ pid=\d+)\)")
 
 
 def write(directory: Path, bench: str, output: str, facts: dict[str, str], started: dt.datetime) -> Path:
-    """Delete ``bench``'s older records in ``directory``, then write this one (less the
+    """Delete ``bench``'s older records (and pictures) in ``directory``, then write this one (less the
     lines Ray forwarded)."""
     output = "\n".join(line for line in output.splitlines() if not RAY_LOG_LINE.match(line))
-    pattern = re.compile(rf"{re.escape(bench)}-\d{{4}}-\d{{2}}-\d{{2}}\.md")
+    pattern = re.compile(rf"{re.escape(bench)}-\d{{4}}-\d{{2}}-\d{{2}}\.(md|png)")  # the record and its picture
     for old in directory.iterdir():
         if pattern.fullmatch(old.name):
             old.unlink()
