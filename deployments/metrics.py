@@ -10,8 +10,9 @@ What vLLM also measures carries vLLM's names, as Ray Serve LLM exports vLLM's ow
 speculative counters (``spec_decode_num_drafts``, ``spec_decode_num_draft_tokens``,
 ``spec_decode_num_accepted_tokens``, ``spec_decode_num_accepted_tokens_per_pos``) and the
 prefix cache's (``prefix_cache_queries``, ``prefix_cache_hits``: prompt tokens looked up,
-and found cached). What vLLM has no name for is ``specserve_*``. Every metric is tagged with the proposer mode where one applies, and Serve adds
-the deployment, replica and application tags.
+and found cached). What vLLM has no name for is ``specserve_*``. Every metric is tagged
+with the proposer mode where one applies, and Serve adds the deployment, replica and
+application tags.
 """
 from __future__ import annotations
 
