@@ -52,10 +52,22 @@ def embedded(engine, options) -> Answer:
     return answer
 
 
+def api_base(url: str) -> str:
+    """A server's OpenAI base URL (``.../v1``), given it or the server's root."""
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def first_model(url: str) -> str:
+    """The first model a server lists (``/v1/models``)."""
+    with urllib.request.urlopen(api_base(url) + "/models", timeout=30) as response:
+        return json.load(response)["data"][0]["id"]
+
+
 def remote(url: str, body: dict, timeout: float = 600.0) -> Answer:
     """Replies from a server's ``/v1/chat/completions``, streamed (``body``: the request's
     other fields: model, max_tokens, temperature, speculative_mode ...)."""
-    endpoint = url.rstrip("/") + ("" if url.rstrip("/").endswith("/v1") else "/v1") + "/chat/completions"
+    endpoint = api_base(url) + "/chat/completions"
 
     def answer(messages: list[dict], write: Callable[[str], None]) -> Reply:
         request = urllib.request.Request(endpoint, data=json.dumps({**body, "messages": messages, "stream": True,

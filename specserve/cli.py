@@ -22,11 +22,10 @@ CHECKOUT = Path(__file__).resolve().parents[1]
 COMMANDS = ("serve", "chat", "generate", "convert", "bench")
 
 
-def _checkout_dir(name: str) -> Path:
+def _checkout_dir(name: str, command: str) -> Path:
     folder = CHECKOUT / name
     if not folder.is_dir():
-        raise SystemExit(f"error: specserve {'bench' if name == 'bench' else 'convert'} runs from a source "
-                         f"checkout; {folder} is missing")
+        raise SystemExit(f"error: specserve {command} runs from a source checkout; {folder} is missing")
     if str(CHECKOUT) not in sys.path:
         sys.path.insert(0, str(CHECKOUT))
     return folder
@@ -45,7 +44,7 @@ def generate(argv: list[str]) -> int:
 
 
 def convert(argv: list[str]) -> int:
-    _checkout_dir("modelbuild")
+    _checkout_dir("modelbuild", "convert")
     from modelbuild.convert.__main__ import main as convert_main
 
     convert_main(argv)
@@ -53,7 +52,7 @@ def convert(argv: list[str]) -> int:
 
 
 def bench(argv: list[str]) -> int:
-    folder = _checkout_dir("bench")
+    folder = _checkout_dir("bench", "bench")
     names = sorted(p.stem for p in folder.glob("*.py") if not p.stem.startswith("_") and p.stem != "record")
     if not argv or argv[0] in ("--list", "-h", "--help"):
         print("specserve bench NAME [ARGS]: runs bench/NAME.py; NAME is one of\n  " + "\n  ".join(names))
@@ -85,7 +84,7 @@ def chat(argv: list[str]) -> int:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     args = parser.parse_args(argv)
     if args.url is not None:
-        body = {"model": args.model or _first_model(args.url), "max_tokens": args.max_new_tokens,
+        body = {"model": args.model or chat_loop.first_model(args.url), "max_tokens": args.max_new_tokens,
                 "temperature": args.temperature,
                 **({"speculative_mode": args.speculative} if args.speculative else {})}
         answer = chat_loop.remote(args.url, body)
@@ -98,15 +97,6 @@ def chat(argv: list[str]) -> int:
                                     **({"speculative_mode": args.speculative} if args.speculative else {}))
         answer = chat_loop.embedded(engine, options)
     return chat_loop.run(answer, args.system)
-
-
-def _first_model(url: str) -> str:
-    import json
-    import urllib.request
-
-    base = url.rstrip("/") + ("" if url.rstrip("/").endswith("/v1") else "/v1")
-    with urllib.request.urlopen(base + "/models", timeout=30) as response:
-        return json.load(response)["data"][0]["id"]
 
 
 def main(argv: list[str] | None = None) -> int:
