@@ -34,7 +34,10 @@ import argparse
 import json
 import os
 import shutil
+import sys
+import time
 from pathlib import Path
+from typing import Callable
 
 from engine.model.manifest import ArrayEntry, BundleManifest, ConversionRecord, HeadEntry, HiddenOutputs, ModelEntry
 
@@ -82,8 +85,16 @@ def _eos(target_dir: Path) -> tuple[str, int]:
     return tokenizer.token_text(int(eos_id)), int(eos_id)
 
 
-def convert(args: argparse.Namespace) -> BundleManifest:
+def to_stderr(line: str) -> None:
+    """Progress goes to stderr: stdout keeps the result's one JSON line."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def convert(args: argparse.Namespace, progress: Callable[[str], None] = to_stderr) -> BundleManifest:
     out: Path = args.out
+    started = time.perf_counter()
+    step = lambda what: progress(f"[{time.perf_counter() - started:5.1f} s] {what}")  # noqa: E731
+    step(f"converting the target from {args.target}")
     target_config = json.loads((args.target / "config.json").read_text())
     num_layers = read_architecture(target_config).num_layers
     eagle3 = Eagle3Checkpoint.read(args.eagle3) if args.eagle3 else None
@@ -99,6 +110,7 @@ def convert(args: argparse.Namespace) -> BundleManifest:
                                                                 layer_indices=aux) if len(aux) == 3 else {}))
     models = {"target": _model_entry("target", "target", target, args.target, hidden_outputs)}
     if args.draft:
+        step(f"converting the draft model from {args.draft}")
         draft = convert_target(args.draft, out / "draft", ())
         if draft.architecture.vocab_size != vocab:
             raise SystemExit(f"draft vocabulary {draft.architecture.vocab_size} != target's {vocab}")
@@ -118,18 +130,21 @@ def convert(args: argparse.Namespace) -> BundleManifest:
             converted=_record(source, facts.get("source_format", kind)))
 
     if eagle3 is not None:
+        step(f"converting the EAGLE-3 head from {args.eagle3}")
         facts = convert_eagle3(eagle3, out / "heads/eagle3", hidden, vocab)
         add_head("eagle3", args.eagle3, facts, {"fused_hidden": [aux_output_name(j) for j in aux]},
                  ["embed_tokens"])
     if args.mtp:
         from .qwen35_mtp import build_qwen35_mtp
 
+        step(f"converting the MTP head from {args.mtp}")
         facts = build_qwen35_mtp(args.mtp, out / "heads/mtp")
         _check_width("MTP head", facts["hidden_size"], hidden)
         add_head("mtp", args.mtp, facts, {"hidden_states": [FINAL_HIDDEN]}, ["embed_tokens", "lm_head"])
     if args.assistant:
         from .gemma4_assistant import bind_groups, build_gemma4_assistant
 
+        step(f"converting the Gemma-4 assistant from {args.assistant}")
         # The feed published assistants are trained for (transformers' assisted generation).
         facts = {**build_gemma4_assistant(args.assistant, out / "heads/shared_kv"), "draft_feed": "hf_assisted"}
         _check_width("Gemma-4 assistant", facts["backbone_hidden_size"], hidden)
@@ -202,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
 
             manifest = convert_gguf(args.gguf, args.out, args.format,
                                     step_format=None if args.step_format == "none" else args.step_format,
-                                    fast=not args.no_fast)
+                                    fast=not args.no_fast, progress=to_stderr)
         else:
             manifest = convert(args)
     except BaseException:

@@ -191,3 +191,15 @@ def test_an_aux_layer_0_is_refused_with_the_reason(tiny, tmp_path):
         main(["--target", str(tiny.target), "--out", str(tmp_path / "b"), "--eagle3",
               str(tiny.head("eagle3_safeailab")), "--aux-layers", "0,3,5"])
     assert not (tmp_path / "b").exists()  # no half-written bundle left behind
+
+
+def test_conversion_reports_each_stage_on_stderr_and_the_result_on_stdout(tiny, tmp_path, capsys):
+    import json
+
+    from modelbuild.convert.__main__ import main
+
+    main(["--target", str(tiny.target), "--out", str(tmp_path / "b"), "--eagle3", str(tiny.head("eagle3_safeailab"))])
+    out, err = capsys.readouterr()
+    stages = [line for line in err.splitlines() if line.startswith("[")]
+    assert "converting the target from" in stages[0] and "converting the EAGLE-3 head" in stages[1]
+    assert json.loads(out.strip().splitlines()[-1])["heads"] == ["eagle3"]
