@@ -183,7 +183,7 @@ PROCESS_ROLES = (("ProxyActor", "HTTP proxy"), (":Router", "router"), ("TargetSt
                  ("Proposer", "replica shells"), ("ServeController", "Serve controller"))
 
 
-def _descendants(root: int) -> set[str]:
+def descendants(root: int) -> set[str]:
     """Processes below ``root``: the Ray this bench started runs under it (its raylets and
     their workers), and other Ray instances on a shared machine do not."""
     children: dict[str, list[str]] = defaultdict(list)
@@ -207,7 +207,7 @@ def ray_process_cpu() -> dict[str, float]:
     this process (the benchmark's HTTP client)."""
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = defaultdict(float)
-    for pid in _descendants(os.getpid()):
+    for pid in descendants(os.getpid()):
         try:
             title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
             if not title.startswith("ray::"):

@@ -14,10 +14,9 @@ import logging
 from ray import serve
 from ray.serve import Application
 
-from engine.errors import ModelLoadError
+from engine.assembly import model_modes
 from engine.model.bundle import Bundle
 from engine.sched.sequence_driver import resolve_default_mode, served_modes
-from engine.speculative.proposers.registry import MODEL_MODES, provided_modes
 
 from .proposer import ProposerModel
 from .router import RouterIngress
@@ -42,12 +41,7 @@ def deployment_options(settings: ServeSettings, declared: dict) -> dict:
 def deployed_modes(settings: ServeSettings, bundle: Bundle) -> list[str]:
     """The model-based proposer kinds to deploy: ``engine.speculative.load``, or every one
     the bundle provides; a requested kind the bundle lacks is an error."""
-    available = provided_modes(bundle)
-    load = settings.engine.speculative.load
-    missing = [m for m in load or () if m not in available]
-    if missing:
-        raise ModelLoadError(f"modes {missing} requested but the bundle at {bundle.directory} does not provide them")
-    return [m for m in MODEL_MODES if m in available and (load is None or m in load)]
+    return model_modes(bundle, settings.engine, f"the bundle at {bundle.directory}")
 
 
 def default_mode(settings: ServeSettings, wanted: list[str]) -> str:

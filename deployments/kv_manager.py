@@ -32,6 +32,7 @@ from typing import Hashable, Sequence
 from engine.kv.admission import Admission
 from engine.kv.block_ledger import Grant
 from engine.kv.replica_choice import ReplicaRouting
+from engine.sched.background import detached
 
 log = logging.getLogger("specserve.kv_manager")
 
@@ -124,7 +125,7 @@ class KVManager:
         """``owner`` is alive; returns ``usage()``."""
         self.renewed[owner] = time.monotonic()
         if self._reaper is None or self._reaper.done():
-            self._reaper = asyncio.ensure_future(self._reap_forever())
+            self._reaper = detached(self._reap_forever())
         return await self.usage()
 
     def _heard_from(self, seq_ids: Sequence[Hashable]) -> None:

@@ -26,7 +26,7 @@ import ray
 from ray import serve
 
 from engine.sched.cost_tables import DraftCostTable
-from engine.sched.proposer_worker import ProposeItem, ProposeResult
+from engine.sched.messages import ProposeItem, ProposeResult
 from engine.speculative.proposers.registry import PROPOSER_KINDS
 
 from .affinity import TICK_WORKER_OPTIONS

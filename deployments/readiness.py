@@ -15,6 +15,8 @@ import asyncio
 import logging
 import time
 
+from engine.sched.background import detached
+
 log = logging.getLogger("specserve.readiness")
 
 READY_WAIT_S = 0.5     # how long a request waits for the router's first connection before asking why
@@ -92,7 +94,7 @@ class Readiness:
         if self._reason is not None and now - self._reason[0] < STATUS_CACHE_S:
             return self._reason[1]
         if self._fetching is None or self._fetching.done():
-            self._fetching = asyncio.ensure_future(asyncio.to_thread(self._fetch))
+            self._fetching = detached(asyncio.to_thread(self._fetch))
         try:
             reason = await asyncio.wait_for(asyncio.shield(self._fetching), STATUS_TIMEOUT_S)
         except asyncio.TimeoutError:

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from engine.assembly import coordination, proposer_needs
 from engine.errors import InvalidRequestError
 from engine.grammar.compiler import grammar_compiler
 from engine.grammar.spec import StructuredOutput
@@ -36,9 +37,9 @@ from engine.model.bundle import Bundle
 from engine.model.chat import ChatTemplate
 from engine.model.tokenizer import TextTokenizer
 from engine.options import GenerationOptions
+from engine.sched.background import detached
 from engine.sched.coordinator import RequestFailedError, RoundCoordinator
 from engine.sched.sequence_driver import DriverFactory, Speculation
-from engine.speculative.proposers.registry import PROPOSER_KINDS
 from engine.speculative.sequence import TokenEvent
 
 from .choices import admit_all, all_choices, choice_options
@@ -112,8 +113,10 @@ def _param(loc) -> str:
 class Router:
     @classmethod
     def get_deployment_options(cls, settings: ServeSettings) -> dict:
-        """The ingress's Serve options (``deployment_overrides`` go on top): one replica
-        holds every request's coroutine, so it takes many at once and little CPU."""
+        """The ingress's Serve options (``deployment_overrides`` go on top): a replica
+        holds each of its requests' coroutines, so it takes many at once. Replicas may
+        be several, fixed or autoscaled on Serve's request counts (a router's load is its
+        requests); each coordinates its own (docs/architecture.md, "Several routers")."""
         return {"name": "Router", "max_ongoing_requests": 256, "ray_actor_options": {"num_cpus": 0.25}}
 
     def __init__(self, target: DeploymentHandle, proposers: dict[str, DeploymentHandle], settings: dict) -> None:
@@ -150,7 +153,7 @@ class Router:
         # request's client may give up while the replicas are still starting.
         if self._ready is None or (self._ready.done() and (self._ready.cancelled()
                                                            or self._ready.exception() is not None)):
-            self._ready = asyncio.ensure_future(self._connect())
+            self._ready = detached(self._connect())
         if not self._ready.done() and not self.readiness.known():  # not known to be pending: give it a moment
             await asyncio.wait({self._ready}, timeout=READY_WAIT_S)  # never cancels the connection
         if not self._ready.done():
@@ -177,16 +180,14 @@ class Router:
         """Learn the target's limits and the KV manager once, and wire what each deployed
         proposer kind takes from the target (the registry says; the target's outputs check)."""
         info = await self.target.describe.remote()
-        outputs = set(info["extra_outputs"])
-        needs = {mode: PROPOSER_KINDS[mode].needs(self.bundle, outputs) for mode in self.proposers}
-        engine = self.settings.engine
-        self.factory = DriverFactory(self.tokenizer, info["eos_token_ids"], info["max_context"], info["vocab_size"],
-                                     engine, needs)
+        needs = proposer_needs(self.bundle, self.proposers, set(info["extra_outputs"]))
         grammar_compiler(self.tokenizer, info["vocab_size"], info["eos_token_ids"])  # checks requests' grammars
         self.transport = ServeTransport(self.target, self.proposers, info["kv_manager"],
                                         {info["replica"]: info["worker"]})
-        self.coordinator = RoundCoordinator(self.transport, engine.scheduler, self.metrics)
-        self._gauges = asyncio.ensure_future(self._report_kv())
+        self.factory, self.coordinator = coordination(
+            self.transport, self.tokenizer, info["eos_token_ids"], info["max_context"], info["vocab_size"],
+            self.settings.engine, needs, self.metrics)
+        self._gauges = detached(self._report_kv())
         self.max_context = info["max_context"]
         self.max_tokens_cap = min(self.settings.max_tokens_cap or self.max_context, self.max_context)
         log.info("router ready: modes %s, default %s, target providers %s", self.factory.modes,

@@ -19,7 +19,7 @@ from ray import serve
 from ray.serve.config import DeploymentActorConfig
 
 from engine.sched.cost_tables import VerifyCostTable
-from engine.sched.target_worker import PrefillItem, TargetResult, VerifyItem
+from engine.sched.messages import PrefillItem, TargetResult, VerifyItem
 
 from .affinity import TICK_WORKER_OPTIONS
 from .kv_manager import KVManager
@@ -32,6 +32,9 @@ KV_MANAGER = "kv_manager"
 # per reserved CPU (``workers.worker_config``), and a batched decode step on two threads
 # is what the in-process engine runs (docs/benchmarks/ measures one against two).
 CPU_WORKER_CPUS = 2.0
+# Calls a target worker holds at once: each router's tick call waits there to be merged
+# with the others' (step_merging.py), beside the KV manager's and the health probes'.
+TARGET_WORKER_CALLS = 32
 DRAIN_MARGIN_S = 2.0  # of the graceful-shutdown budget, kept for dropping the pool after a drain
 
 
@@ -71,7 +74,7 @@ class TargetModel:
     def __init__(self, target_dir: str, engine_config: dict) -> None:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.direct = calls_go_direct()
-        self.worker = spawn_worker(TargetStepper, target_dir, engine_config)
+        self.worker = spawn_worker(TargetStepper, target_dir, engine_config, max_concurrency=TARGET_WORKER_CALLS)
         self.info = ray.get(self.worker.describe.remote())  # waits for the model to load and warm up
         self.health_probes = 0
         self.serve_steps = 0  # ticks that came through Serve rather than to the worker

@@ -17,10 +17,10 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from engine.kv.block_ledger import AdmissionError, Grant
+from engine.sched.background import detached
 from engine.sched.coordinator import TargetUnavailableError
 from engine.sched.cost_tables import DraftCostTable, VerifyCostTable
-from engine.sched.proposer_worker import ProposeItem, ProposeResult
-from engine.sched.target_worker import PrefillItem, TargetResult, VerifyItem
+from engine.sched.messages import PrefillItem, ProposeItem, ProposeResult, TargetResult, VerifyItem
 
 from .affinity import REPLICA_HINT
 
@@ -63,7 +63,7 @@ class ServeTransport:
         return await self._admission(self.kv_call("admit_many", requests), [r[0] for r in requests])
 
     async def _admission(self, coroutine, seq_ids: list[Hashable]):
-        call = asyncio.ensure_future(coroutine)
+        call = detached(coroutine)
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -75,7 +75,7 @@ class ServeTransport:
     def _release_if_granted(self, seq_ids: list[Hashable], call: asyncio.Future) -> None:
         if not call.cancelled() and call.exception() is None:
             for seq_id in seq_ids:
-                asyncio.ensure_future(self.release(seq_id))
+                detached(self.release(seq_id))
 
     async def publish(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
         await self.kv_call("publish", seq_id, list(tokens))

@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -30,18 +31,20 @@ import ray
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from engine.assembly import proposer_worker, target_worker
 from engine.config import EngineConfig
 from engine.model.bundle import Bundle
 from engine.grammar.compiler import GrammarCompiler, grammar_compiler
 from engine.model.cached_decoder import CachedDecoder, model_eos_token_ids
 from engine.model.tokenizer import TextTokenizer
 from engine.sched.cost_tables import DraftCostTable, VerifyCostTable
-from engine.sched.proposer_worker import ProposeItem, ProposeResult, ProposerWorker
-from engine.sched.target_worker import PrefillItem, TargetResult, TargetWorker, VerifyItem
+from engine.sched.messages import PrefillItem, ProposeItem, ProposeResult, TargetResult, VerifyItem
 from engine.speculative.proposers.registry import PROPOSER_KINDS
 
 from .autoscaling import KV_BLOCKS_TOTAL, KV_BLOCKS_USED, POLICY_PATH, SEQUENCES, reads_replica_load
+from .kv_manager import LEASE_S, owner_of
 from .metrics import ServeWorkerMetrics
+from .step_merging import StepMerger
 
 log = logging.getLogger("specserve.workers")
 WORKER_BUNDLE = 1  # bundle 0 of a tick deployment's placement group is the replica shell's
@@ -50,6 +53,11 @@ WORKER_BUNDLE = 1  # bundle 0 of a tick deployment's placement group is the repl
 # a replica with one sequence, i.e. a light load, where cores beyond the reservation are
 # idle; at load, calls batch and keep to the reservation (docs/benchmarks/ measures both).
 LONE_SEQUENCE_THREADS = 2
+# A proposer worker drops a sequence it has not drafted for in this long: its router died
+# (whose lease the KV manager ends after LEASE_S), or drafting is off for it, and then
+# its next round resyncs it, which is always correct.
+ORPHANED_AFTER_S = 2 * LEASE_S
+ACTIVE_WITHIN_S = 5.0  # a proposer worker's sequence is load if drafted for this recently
 
 
 def worker_bundles(cpus: float, gpus: float = 0.0) -> list[dict[str, float]]:
@@ -77,7 +85,7 @@ def calls_go_direct() -> bool:
     return False
 
 
-def spawn_worker(cls: type, *args):
+def spawn_worker(cls: type, *args, max_concurrency: int = 1):
     """Start ``cls(*args)`` as an actor in the calling replica's placement group (the
     worker bundle), or with no resources of its own when there is none (a replica
     deployed without ``placement_group_bundles``: its own resources then cover it)."""
@@ -88,9 +96,10 @@ def spawn_worker(cls: type, *args):
                    "scheduling_strategy": PlacementGroupSchedulingStrategy(group, WORKER_BUNDLE)}
     else:
         options = {"num_cpus": 0}
-    # One call at a time (a tick mutates the KV cache); no restarts: a dead worker means a
-    # dead replica, which Serve replaces, and the router re-prefills its sequences.
-    return ray.remote(cls).options(**options, max_restarts=0, max_concurrency=1).remote(*args)
+    # One call at a time (a tick mutates the KV cache) unless the class serialises its own
+    # calls (``TargetStepper``); no restarts: a dead worker means a dead replica, which
+    # Serve replaces, and the router re-prefills its sequences.
+    return ray.remote(cls).options(**options, max_restarts=0, max_concurrency=max_concurrency).remote(*args)
 
 
 def worker_config(engine_config: dict) -> EngineConfig:
@@ -116,18 +125,21 @@ def worker_config(engine_config: dict) -> EngineConfig:
 
 
 class TargetStepper:
-    """The target's ONNX session and the KV pages of the sequences on this replica."""
+    """The target's ONNX session and the KV pages of the sequences on this replica.
+
+    A threaded actor: several routers' ``step`` calls may wait at once, and
+    ``StepMerger`` runs those that arrive together as one batched step
+    (``step_merging.py``). Everything that reads or changes the session or the cache
+    holds ``_lock``, so one thing runs at a time, as in a one-call-at-a-time actor."""
 
     def __init__(self, target_dir: str, engine_config: dict) -> None:
         config = worker_config(engine_config)
+        self._lock = threading.RLock()
         self.decoder = CachedDecoder(Path(target_dir), config, owns_cores=False,
                                      graph_format=config.target_format)
-        self.worker = TargetWorker(self.decoder)
-        self.worker.grammars()  # read the vocabulary for grammars now, not in a constrained request's tick
-        # Time verify passes before taking sequences (adaptive speculation plans with them;
-        # it also warms onnxruntime up, so the first request does not pay for it).
-        self.worker.verify_costs(config.scheduler.max_batch_size)
+        self.worker = target_worker(self.decoder, config, grammars_now=True)
         self.steps, self.step_s, self.compute_s = 0, 0.0, 0.0  # where the time goes
+        self.merger = StepMerger(self._step)
 
     def describe(self) -> dict:
         decoder = self.decoder.decoder
@@ -137,50 +149,74 @@ class TargetStepper:
                 "block_size": self.decoder.cache.block_size, "prefix_caching": self.decoder.cache.prefix_caching}
 
     def verify_costs(self) -> VerifyCostTable:
-        return self.worker.verify_costs()
+        with self._lock:
+            return self.worker.verify_costs()
 
     def live_grants(self) -> dict:
-        return self.worker.live_grants()
+        with self._lock:
+            return self.worker.live_grants()
 
     def pool_state(self) -> tuple[dict, dict]:
-        """Live sequences' blocks and the named blocks, read together (one call: the
-        worker runs one at a time), for a KV manager that rebuilds its ledger."""
-        return self.worker.live_grants(), self.worker.block_names()
+        """Live sequences' blocks and the named blocks, read together, for a KV manager
+        that rebuilds its ledger."""
+        with self._lock:
+            return self.worker.live_grants(), self.worker.block_names()
 
     def probe(self) -> None:
-        self.worker.probe()
+        with self._lock:
+            self.worker.probe()
 
     def step(self, replica: str, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem],
              releases: Sequence[Hashable]) -> tuple[str, list[TargetResult]]:
-        """One tick for the sequences on this replica (``TargetWorker.step``). Per
-        sequence it returns O(k) data; the hidden-state anchors (and shared-KV slices) of
-        the whole call go into the object store as one object, returned by reference."""
-        started = time.perf_counter()
-        verifies = _resolve_probs(list(verifies))
-        computing = time.perf_counter()
-        results = self.worker.step(prefills, verifies, releases)
-        self.compute_s += time.perf_counter() - computing
-        anchors = {r.seq_id: r.outcome.anchor for r in results
-                   if r.outcome is not None and r.outcome.anchor is not None and not r.outcome.anchor.empty}
-        ref = ray.put(anchors) if anchors else None
-        results = [r if r.outcome is None else dataclasses.replace(
-            r, outcome=dataclasses.replace(r.outcome, anchor=ref if r.seq_id in anchors else None)) for r in results]
-        self.steps += 1
-        self.step_s += time.perf_counter() - started
+        """One tick for one router's sequences on this replica (``TargetWorker.step``),
+        run together with other routers' calls that arrive with it. Per sequence it
+        returns O(k) data; the hidden-state anchors (and shared-KV slices) of the whole
+        step go into the object store as one object, returned by reference."""
+        items = [*prefills, *verifies]
+        caller = (owner_of(items[0].seq_id) or "") if items else ""
+        results, merged = self.merger.step(caller, prefills, verifies, releases)
+        if merged:  # its time paid for other routers' rows too: not a price of its own
+            results = [dataclasses.replace(r, shared_call=True) for r in results]
         return replica, results
+
+    def _step(self, prefills: list[PrefillItem], verifies: list[VerifyItem],
+              releases: list[Hashable]) -> list[TargetResult]:
+        with self._lock:
+            started = time.perf_counter()
+            verifies = _resolve_probs(verifies)
+            computing = time.perf_counter()
+            results = self.worker.step(prefills, verifies, releases)
+            self.compute_s += time.perf_counter() - computing
+            anchors = {r.seq_id: r.outcome.anchor for r in results
+                       if r.outcome is not None and r.outcome.anchor is not None and not r.outcome.anchor.empty}
+            ref = ray.put(anchors) if anchors else None
+            results = [r if r.outcome is None else dataclasses.replace(
+                r, outcome=dataclasses.replace(r.outcome, anchor=ref if r.seq_id in anchors else None))
+                for r in results]
+            self.steps += 1
+            self.step_s += time.perf_counter() - started
+            return results
 
     def load(self) -> dict[str, float]:
         """What this replica serves, for the autoscaler (``autoscaling``): its sequences
         and the KV blocks reserved for them."""
-        cache = self.decoder.cache
-        return {SEQUENCES: len(self.worker.sequences), KV_BLOCKS_USED: cache.num_blocks - cache.free_blocks,
-                KV_BLOCKS_TOTAL: cache.num_blocks}
+        with self._lock:
+            cache = self.decoder.cache
+            return {SEQUENCES: len(self.worker.sequences), KV_BLOCKS_USED: cache.num_blocks - cache.free_blocks,
+                    KV_BLOCKS_TOTAL: cache.num_blocks}
 
     def usage(self) -> dict:
-        cache = self.decoder.cache
-        return {"total_blocks": cache.num_blocks, "free_blocks": cache.free_blocks,
-                "cached_blocks": cache.cached_blocks, "sequences": len(self.worker.sequences), "steps": self.steps,
-                "step_s": self.step_s, "compute_s": self.compute_s}
+        with self._lock:
+            cache = self.decoder.cache
+            return {"total_blocks": cache.num_blocks, "free_blocks": cache.free_blocks,
+                    "cached_blocks": cache.cached_blocks, "sequences": len(self.worker.sequences),
+                    "steps": self.steps, "step_s": self.step_s, "compute_s": self.compute_s,
+                    "merged_steps": self.merger.merged_steps, **self._row_buffer_counts()}
+
+    def _row_buffer_counts(self) -> dict[str, int]:
+        rows = self.decoder.row_buffers
+        return {} if rows is None else {"row_buffers_reused": rows.reused, "row_buffers_rebuilt": rows.rebuilt,
+                                        "rows_placed": rows.placed}
 
 
 class ProposerStepper:
@@ -192,11 +228,9 @@ class ProposerStepper:
         vocab = bundle.manifest.models["target"].architecture.vocab_size
         self.mode = mode
         self.metrics = ServeWorkerMetrics()
-        self.worker = ProposerWorker(PROPOSER_KINDS[mode].load(bundle, config, vocab), self.metrics,
-                                     grammars=functools.partial(_target_grammars, bundle.target_dir, vocab))
-        self.worker.grammars()  # as the target's: at start-up
-        self.worker.probe()  # a first real run: checks the model and warms its session up
-        self.worker.draft_costs()  # timed now, for the router's adaptive speculation
+        self.worker = proposer_worker(PROPOSER_KINDS[mode].load(bundle, config, vocab), self.metrics,
+                                      functools.partial(_target_grammars, bundle.target_dir, vocab),
+                                      grammars_now=True, idle_timeout_s=ORPHANED_AFTER_S)
         self.transport: Counter = Counter()  # how target data arrived (by reference: the design)
         self.calls, self.propose_s, self.compute_s = 0, 0.0, 0.0  # where the time goes
 
@@ -239,8 +273,9 @@ class ProposerStepper:
         return resolved
 
     def load(self) -> dict[str, float]:
-        """What this replica serves, for the autoscaler: the sequences it drafts for."""
-        return {SEQUENCES: len(self.worker.sequences)}
+        """What this replica serves, for the autoscaler and a drain: the sequences it has
+        drafted for lately (a dead router's, waiting to be dropped, are no load)."""
+        return {SEQUENCES: self.worker.active_sequences(ACTIVE_WITHIN_S)}
 
     def stats(self) -> dict:
         return {"mode": self.mode, **self.transport, "sequences": len(self.worker.sequences),

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from engine.assembly import coordination, model_modes, proposer_needs, proposer_worker, target_worker
 from engine.config import EngineConfig
-from engine.errors import ModelLoadError
 from engine.grammar.compiler import grammar_compiler
 from engine.model.bundle import resolve_model_path
 from engine.model.cached_decoder import CachedDecoder
@@ -31,14 +31,11 @@ from engine.model.chat import ChatTemplate
 from engine.model.default_model import default_model_dir
 from engine.model.tokenizer import TextTokenizer
 from engine.options import GenerationOptions
-from engine.sched.coordinator import RoundCoordinator
 from engine.sched.local_transport import LocalTransport
 from engine.sched.metrics import RoundMetrics
-from engine.sched.proposer_worker import ProposerWorker
-from engine.sched.sequence_driver import DriverFactory, SequenceDriver
-from engine.sched.target_worker import TargetWorker
+from engine.sched.sequence_driver import SequenceDriver
 from engine.speculative.proposers.base import Needs
-from engine.speculative.proposers.registry import PROPOSER_KINDS, LoadedProposer, provided_modes
+from engine.speculative.proposers.registry import PROPOSER_KINDS, LoadedProposer
 from engine.speculative.sampling import TokenLogprob
 from engine.speculative.sequence import FinishReason, TokenCallback, TokenEvent
 from engine.speculative.stats import SpeculativeStats
@@ -73,45 +70,27 @@ class Engine:
         target_dir, self.bundle = resolve_model_path(Path(model_dir) if model_dir is not None else default_model_dir())
         self.target = CachedDecoder(target_dir, config, owns_cores=True, graph_format=config.target_format)
         self.chat_template = ChatTemplate.from_model_dir(target_dir)
-        self.proposers: dict[str, LoadedProposer] = self._load_proposers()
-        outputs = set(self.target.decoder.io.extra_outputs)
-        self.needs: dict[str, Needs] = {mode: PROPOSER_KINDS[mode].needs(self.bundle, outputs)
-                                        for mode in self.proposers}
-        self.factory = DriverFactory(self.target.tokenizer, self.target.eos_token_ids, self.target.max_context,
-                                     self.target.decoder.vocab_size, config, self.needs)
+        where = f"the bundle at {self.bundle.directory}" if self.bundle else \
+            f"{self.target.decoder.model_dir} (no manifest.json beside it)"
+        vocab = self.target.decoder.vocab_size
+        self.proposers: dict[str, LoadedProposer] = {mode: PROPOSER_KINDS[mode].load(self.bundle, config, vocab)
+                                                     for mode in model_modes(self.bundle, config, where)}
+        self.needs: dict[str, Needs] = proposer_needs(self.bundle, self.proposers,
+                                                      set(self.target.decoder.io.extra_outputs))
         self.metrics = RoundMetrics()
         target = self.target
-        grammars = functools.partial(grammar_compiler, target.tokenizer, target.decoder.vocab_size,
+        grammars = functools.partial(grammar_compiler, target.tokenizer, vocab,
                                      target.eos_token_ids)  # one per model: the target worker's too
-        workers = {mode: ProposerWorker(loaded, self.metrics, grammars=grammars)
-                   for mode, loaded in self.proposers.items()}
-        for worker in workers.values():
-            worker.probe()  # a first real run: checks the model and warms its session up
-            worker.draft_costs()  # timed now, for adaptive speculation
-        target_worker = TargetWorker(self.target)
-        # Time the target's verify passes now (adaptive speculation plans with them); this
-        # also warms onnxruntime up, so the first request's speed is the engine's own.
-        target_worker.verify_costs(config.scheduler.max_batch_size)
-        self.transport = LocalTransport(target_worker, workers, config.scheduler.admission_timeout_s)
-        self.coordinator = RoundCoordinator(self.transport, config.scheduler, self.metrics)
+        workers = {mode: proposer_worker(loaded, self.metrics, grammars) for mode, loaded in self.proposers.items()}
+        self.transport = LocalTransport(target_worker(self.target, config), workers,
+                                        config.scheduler.admission_timeout_s)
+        self.factory, self.coordinator = coordination(self.transport, target.tokenizer, target.eos_token_ids,
+                                                      target.max_context, vocab, config, self.needs, self.metrics)
         self.cumulative_stats: dict[str, SpeculativeStats] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None  # started on first use
         self._thread: threading.Thread | None = None
-
-    # -- loading ---------------------------------------------------------------------------
-    def _load_proposers(self) -> dict[str, LoadedProposer]:
-        load = self.config.speculative.load
-        available = provided_modes(self.bundle)
-        missing = [m for m in load or () if m not in available]
-        if missing:
-            where = f"the bundle at {self.bundle.directory}" if self.bundle else \
-                f"{self.target.decoder.model_dir} (no manifest.json beside it)"
-            raise ModelLoadError(f"speculative modes {missing} requested but {where} does not provide them")
-        vocab = self.target.decoder.vocab_size
-        return {mode: PROPOSER_KINDS[mode].load(self.bundle, self.config, vocab) for mode in available
-                if mode != "none" and not PROPOSER_KINDS[mode].in_coordinator and (load is None or mode in load)}
 
     @property
     def draft(self) -> CachedDecoder | None:

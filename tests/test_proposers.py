@@ -11,7 +11,8 @@ from engine import GenerationOptions
 from engine.model.heads import MATMUL_GRAPH, LinearLmHead, load_head
 from engine.kv.paged_cache import LayerGeometry, PagedKVCache
 from engine.sched.metrics import RoundMetrics
-from engine.sched.proposer_worker import ProposeItem, ProposerWorker
+from engine.sched.messages import ProposeItem
+from engine.sched.proposer_worker import ProposerWorker
 from engine.speculative.proposers.base import Proposal, ProposerContext, StatelessProposer
 from engine.speculative.proposers.eagle3 import Eagle3Proposer
 from engine.speculative.proposers.mtp import MtpProposer
@@ -443,3 +444,31 @@ def test_a_head_with_a_draft_vocabulary_drafts_under_a_grammar_only_what_both_al
     assert obeyed(proposal.tokens) and not obeyed(proposer.propose(unguided).tokens)
     guide.rewind()
     assert state.consumed == 1  # back at the committed tokens
+
+
+def test_a_worker_drops_sequences_it_has_not_drafted_for_and_resyncs_them(heldout_prompts):
+    """A dead router's sequences never come back: their drafting state (here a draft
+    model's KV) is dropped after the idle timeout, and a sequence that does come back
+    answers ``resync`` and is drafted for again from its whole context."""
+    import time
+
+    from engine.config import EngineConfig
+    from engine.model.bundle import Bundle
+    from engine.speculative.proposers.registry import PROPOSER_KINDS
+
+    bundle = Bundle.load(MODELS)
+    vocab = bundle.manifest.models["target"].architecture.vocab_size
+    loaded = PROPOSER_KINDS["draft_model"].load(bundle, EngineConfig(device="cpu"), vocab)
+    worker = ProposerWorker(loaded, idle_timeout_s=0.2)
+    cache = loaded.model.cache
+    free = cache.free_blocks
+    prompts = [list(range(5, 45)), list(range(50, 90))]
+    first = worker.propose([ProposeItem(f"s{i}", 3, 0, p, OPTIONS) for i, p in enumerate(prompts)])
+    assert all(len(r.tokens) == 3 for r in first) and cache.free_blocks < free
+    time.sleep(0.3)
+    again = worker.propose([ProposeItem("s1", 3, 0, prompts[1], OPTIONS)])  # s1 alone comes back
+    assert worker.sequences == ["s1"] and again[0].tokens == first[1].tokens
+    worker.release(["s1"])
+    assert cache.free_blocks == free  # s0's KV went with it
+    late = worker.propose([ProposeItem("s0", 3, len(prompts[0]), [first[0].tokens[0]], None, 0)])
+    assert late[0].resync and late[0].tokens == []

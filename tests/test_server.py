@@ -75,6 +75,48 @@ def _complete(client, prompt: str, mode: str, max_tokens: int = MAX_TOKENS, adap
                                      extra_body=extra)
 
 
+def test_a_client_that_disconnects_fails_no_other_stream(server, bundle_engine, heldout_prompts):
+    """The server's first request starts the coordinator's loop; its client leaves while a
+    second stream shares that loop's target calls. Serve cancels the first request, and
+    the second must finish, identical (first in this module: later requests find the loop
+    running, started by a request that has already ended)."""
+    import threading
+
+    second_started, first_done = threading.Event(), threading.Event()
+    second: list[int] = []
+
+    def leave_early():
+        second_started.wait(60)
+        first_done.set()
+
+    def stream_second():
+        body = {"model": "specserve", "prompt": heldout_prompts[3], "max_tokens": 160, "temperature": 0,
+                "stream": True, "ignore_eos": True, "speculative_mode": "none", "return_token_ids": True}
+        with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=AUTH, timeout=180) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    assert "error" not in chunk, chunk
+                    second.extend(t for choice in chunk["choices"] for t in choice.get("token_ids", []))
+                    second_started.set()
+
+    body = {"model": "specserve", "prompt": heldout_prompts[2], "max_tokens": 400, "temperature": 0, "n": 3,
+            "stream": True, "ignore_eos": True, "speculative_mode": "none"}  # still running when it leaves
+    thread = threading.Thread(target=stream_second)
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=AUTH, timeout=180) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and not thread.is_alive() and not first_done.is_set():
+                thread.start()
+                leave_early()
+            if first_done.is_set():
+                break  # closes the connection with the stream half read
+    thread.join(180)
+    options = GenerationOptions(max_new_tokens=160, ignore_eos=True, speculative_mode="none")
+    assert second == bundle_engine.generate(heldout_prompts[3], options).token_ids
+    usage = _kv_all_free()
+    assert usage["free_blocks"] == usage["total_blocks"]
+
+
 def test_health_and_models(server, client):
     assert httpx.get(f"{server}/health").json() == {"status": "ok"}  # liveness needs no key
     assert [m.id for m in client.models.list().data] == ["specserve"]

@@ -26,14 +26,14 @@ from typing import Hashable, Protocol, Sequence
 from engine.config import SchedulerConfig
 from engine.errors import EngineError
 from engine.kv.block_ledger import Grant
+from engine.sched.background import detached
 from engine.sched.call_clock import SerialCallClock
 from engine.sched.cost_tables import DraftCostTable, VerifyCostTable
 from engine.sched.draft_length import (DraftCosts, DraftLengthPlanner, DraftRequest, ProposerCall, RoundTime,
                                       SequenceRetired, SequenceRound, TargetCall)
 from engine.sched.metrics import RoundMetrics
-from engine.sched.proposer_worker import ProposeItem, ProposeResult
+from engine.sched.messages import PrefillItem, ProposeItem, ProposeResult, TargetResult, VerifyItem
 from engine.sched.sequence_driver import SequenceDriver, tokens_behind
-from engine.sched.target_worker import PrefillItem, TargetResult, VerifyItem
 from engine.speculative.proposers.registry import HEAD_MODES
 
 log = logging.getLogger("specserve.coordinator")
@@ -191,7 +191,7 @@ class RoundCoordinator:
                                                           for driver, query in zip(drivers, queries)])
         except asyncio.CancelledError:
             for driver in drivers:  # an admit may land after we left
-                asyncio.ensure_future(self.transport.release(driver.seq_id))
+                detached(self.transport.release(driver.seq_id))
             raise
         finally:
             self.waiting -= len(drivers)
@@ -248,7 +248,7 @@ class RoundCoordinator:
     def _ensure_running(self, lane: _Lane) -> None:
         lane.wake.set()
         if lane.task is None or lane.task.done():
-            lane.task = asyncio.ensure_future(self._lane_loop(lane))
+            lane.task = detached(self._lane_loop(lane))
 
     async def _lane_loop(self, lane: _Lane) -> None:
         while True:
@@ -518,7 +518,8 @@ class RoundCoordinator:
         seconds, own = self._call_clock.finished(("target", replica), started)
         if prefills or verifies:
             self.metrics.verify_call(seconds)
-            if self.planner is not None:
+            if self.planner is not None:  # a call merged with another router's teaches nothing of its own rows
+                changed = changed or any(result.shared_call for result in results)
                 self.planner.observe(TargetCall([len(item.drafts) + 1 for item in verifies],
                                                 [item.steps for item in verifies], len(prefills), changed, own))
         return results, releases
@@ -560,7 +561,7 @@ class RoundCoordinator:
     def _forget_target(self, replica: str) -> None:
         if replica not in self._forgotten:
             self._forgotten.add(replica)
-            self._forgetting = asyncio.ensure_future(self.transport.forget_target(replica))
+            self._forgetting = detached(self.transport.forget_target(replica))
 
     def _lose_target(self, lane: _Lane, run: _Run) -> None:
         """Re-admit on another replica and re-prefill from the committed tokens."""
@@ -589,7 +590,7 @@ class RoundCoordinator:
                 lane.kv_releases.append(run.driver.seq_id)
             lane.wake.set()
 
-        run.readmitting = asyncio.ensure_future(readmit())
+        run.readmitting = detached(readmit())
 
     # -- endings -------------------------------------------------------------------------
     def _retire(self, lane: _Lane, run: _Run, error: BaseException | None = None) -> None:

@@ -9,8 +9,9 @@ from engine.errors import EngineError
 from engine.kv.admission import Admission
 from engine.kv.block_ledger import Grant
 from engine.sched.cost_tables import DraftCostTable, VerifyCostTable
-from engine.sched.proposer_worker import ProposeItem, ProposeResult, ProposerWorker
-from engine.sched.target_worker import PrefillItem, TargetResult, TargetWorker, VerifyItem
+from engine.sched.messages import PrefillItem, ProposeItem, ProposeResult, TargetResult, VerifyItem
+from engine.sched.proposer_worker import ProposerWorker
+from engine.sched.target_worker import TargetWorker
 
 LOCAL_REPLICA = "local"
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -29,6 +29,7 @@ from engine.grammar.drafting import DraftGuide
 from engine.grammar.state import GrammarState
 from engine.model.cached_decoder import CachedDecoder
 from engine.options import GenerationOptions
+from engine.sched.messages import ProposeItem, ProposeResult
 from engine.sched.metrics import RoundMetrics
 from engine.speculative.proposers.base import AcceptContext, Proposal, Proposer, ProposerContext
 from engine.sched.calibration import CALIBRATION_PAST, measure_draft_costs
@@ -38,27 +39,11 @@ from engine.speculative.rounds import Anchor, proposer_context
 from engine.speculative.sampling import SequenceRules
 
 log = logging.getLogger("specserve.proposer")
+IDLE_TIMEOUT_S = 600.0  # a sequence not drafted for this long is dropped (its caller is gone)
 
 
-@dataclass(frozen=True)
-class ProposeItem:
-    seq_id: Hashable
-    num_drafts: int             # most drafts the round may verify
-    since: int                  # index in the committed tokens where ``new_tokens`` start
-    new_tokens: list[int]       # committed tokens the worker has not seen yet
-    options: GenerationOptions | None  # sent with the whole context only (since == 0)
-    accepted: int = -1          # drafts the target accepted last round (-1: no round yet)
-    anchor: Any = None          # an ``Anchor``, or an object-store reference the transport resolves
-    rules: SequenceRules | None = None  # the sequence's logit rules, sent with the options
 
 
-@dataclass(frozen=True)
-class ProposeResult:
-    seq_id: Hashable
-    tokens: list[int]
-    probs: Any = None           # draft distribution [len(tokens), V], or a reference to it
-    resync: bool = False        # the worker lacks this sequence's tokens: send them all next time
-    error: str | None = None
 
 
 @dataclass
@@ -76,7 +61,7 @@ class ProposerWorker:
     """Per-sequence proposers and token mirrors for one proposer kind."""
 
     def __init__(self, loaded: LoadedProposer, metrics: RoundMetrics | None = None,
-                 idle_timeout_s: float = 600.0, grammars: Callable[[], GrammarCompiler] | None = None) -> None:
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, grammars: Callable[[], GrammarCompiler] | None = None) -> None:
         """``grammars``: the target model's grammar compiler, made on first use, so that a
         constrained output's drafts keep to its grammar (None: drafts ignore grammars)."""
         self.loaded, self.mode, self.idle_timeout_s = loaded, loaded.mode, idle_timeout_s
@@ -101,6 +86,12 @@ class ProposerWorker:
     @property
     def sequences(self) -> list[Hashable]:
         return list(self._seqs)
+
+    def active_sequences(self, within_s: float) -> int:
+        """Sequences drafted for in the last ``within_s``: those still running here (a
+        live sequence asks every round; a dead caller's wait for eviction)."""
+        cutoff = time.monotonic() - within_s
+        return sum(1 for mirror in self._seqs.values() if mirror.seen >= cutoff)
 
     def propose(self, items: Sequence[ProposeItem]) -> list[ProposeResult]:
         """Draft for every item (anchors already resolved by the transport). Batchable

@@ -19,8 +19,7 @@ from engine.errors import InvalidRequestError, ModelLoadError
 from engine.grammar.compiler import grammar_compiler
 from engine.model.tokenizer import TextTokenizer, encode_prompt
 from engine.options import SPECULATIVE_MODES, GenerationOptions
-from engine.sched.proposer_worker import ProposeItem, ProposeResult
-from engine.sched.target_worker import PrefillItem, VerifyItem
+from engine.sched.messages import PrefillItem, ProposeItem, ProposeResult, VerifyItem
 from engine.speculative.proposers.base import NO_NEEDS, AcceptContext, Needs, Proposer
 from engine.speculative.proposers.registry import PROPOSER_KINDS
 from engine.speculative.rounds import (Anchor, RoundOutcome, commit_outcome, drafts_allowed, proposer_context,

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass, field
-from typing import Any, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Hashable, Sequence
 
 import numpy as np
 
@@ -40,51 +40,15 @@ from engine.speculative.proposers.base import Needs
 from engine.speculative.proposers.shared_kv import shared_kv_slices
 from engine.speculative.rounds import Anchor, RoundOutcome, prompt_logprobs, verify_on_target
 from engine.speculative.sampling import SequenceRules
+from engine.sched.messages import PrefillItem, TargetResult, VerifyItem
 
 log = logging.getLogger("specserve.target")
 
 
-@dataclass(frozen=True)
-class PrefillItem:
-    """Start (or, with ``resume``, restore) a sequence on this target.
-
-    A resume re-feeds committed tokens after the sequence lost its KV (e.g. its target
-    replica died): it rebuilds KV and anchor and commits nothing new."""
-
-    seq_id: Hashable
-    tokens: list[int]            # prompt (or, when resuming, every committed token)
-    options: GenerationOptions
-    needs: Needs = field(default_factory=Needs)
-    reserved_blocks: list[int] | None = None
-    resume: bool = False
-    rules: SequenceRules | None = None  # None: ``tokens`` is the prompt (rules from the options and the EOS)
-    shared_blocks: int = 0  # leading ``reserved_blocks`` that hold the prefix's KV already (a prefix-cache hit)
-
-    @property
-    def fed(self) -> list[int]:
-        """The tokens whose KV the prefill puts in the cache: the prompt, or for a resume
-        every committed token but the pending one."""
-        return self.tokens[:-1] if self.resume else self.tokens
 
 
-@dataclass(frozen=True)
-class VerifyItem:
-    seq_id: Hashable
-    drafts: list[int]
-    probs: Any = None            # draft distribution [k, V] (or an object-store reference to it)
-    steps: int = 1               # plain rounds to run back to back (no drafts): ``_more_steps``
-    anchor: bool = True          # bring back the anchor the proposer starts from next (False: the caller's
-                                 # plan drafts nothing for it next round; on the server it would cost a put)
 
 
-@dataclass(frozen=True)
-class TargetResult:
-    seq_id: Hashable
-    outcome: RoundOutcome | None  # None on error
-    more: tuple[RoundOutcome, ...] = ()  # the plain rounds that followed it in the same call
-    kv_length: int = 0            # tokens in the sequence's KV after the round
-    error: str | None = None
-    unknown_sequence: bool = False  # this target does not hold the sequence: re-prefill it
 
 
 @dataclass
