@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
-from engine import Engine, EngineConfig, GenerationOptions  # noqa: E402
+from specserve.engine import Engine, EngineConfig, GenerationOptions  # noqa: E402
 
 MODES = ["prompt_lookup", "draft_model", "mtp", "eagle3", "shared_kv"]
 

@@ -44,8 +44,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
-from engine import Engine, EngineConfig, GenerationOptions  # noqa: E402
-from engine.model.default_model import DEFAULT_MODEL_DIR  # noqa: E402
+from specserve.engine import Engine, EngineConfig, GenerationOptions  # noqa: E402
+from specserve.engine.model.default_model import DEFAULT_MODEL_DIR  # noqa: E402
 
 
 @dataclass
@@ -134,7 +134,7 @@ def snapshot(base_url: str, mode: str) -> dict[str, float]:
 
     from ray import serve
 
-    from engine.speculative.proposers.registry import PROPOSER_KINDS
+    from specserve.engine.speculative.proposers.registry import PROPOSER_KINDS
 
     status = json.loads(urlopen(f"{base_url}/specserve/status").read())
     target = serve.get_deployment_handle("TargetModel", "specserve").kv_usage.remote().result()
@@ -232,8 +232,8 @@ def cpu_per_token(before: dict[str, float], after: dict[str, float], tokens: int
 # -- server configurations -----------------------------------------------------------------
 def server_args(config: str, args: argparse.Namespace, modes: list[str], model: Path) -> dict:
     """The application's args for one measured configuration."""
-    from deployments.autoscaling import replica_load_autoscaling
-    from engine.speculative.proposers.registry import PROPOSER_KINDS
+    from specserve.deployments.autoscaling import replica_load_autoscaling
+    from specserve.engine.speculative.proposers.registry import PROPOSER_KINDS
 
     scheduler = {"lanes": args.lanes, **({} if args.plain_steps is None else {"plain_steps": args.plain_steps})}
     out = {"model_dir": str(model), "stream_interval": args.stream_interval,
@@ -265,7 +265,7 @@ def gpu_config_on_cpu(model: Path, modes: list[str]) -> dict:
     included -- less those of proposers the model does not have."""
     import yaml
 
-    from engine.speculative.proposers.registry import PROPOSER_KINDS
+    from specserve.engine.speculative.proposers.registry import PROPOSER_KINDS
 
     app = yaml.safe_load((ROOT / "cluster/serve_config.gpu.yaml").read_text())["applications"][0]
     args = app["args"]
@@ -402,7 +402,7 @@ def start_cluster(config: str):
     the three-node cluster that advertises them; every other configuration one local node."""
     if config == "gpu-yaml":
         return start_three_nodes()
-    from cluster.local import start_local_ray
+    from specserve.cluster.local import start_local_ray
     start_local_ray()
     return None
 
@@ -452,7 +452,7 @@ def run(args: argparse.Namespace) -> None:
     import ray
     from ray import serve
 
-    from cluster.local import serve_local
+    from specserve.cluster.local import serve_local
     base = f"http://127.0.0.1:{args.port}"
     cells: dict[tuple[str, str, int], Cell] = defaultdict(Cell)
     notes: list[str] = []

@@ -27,9 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
-from engine import EngineConfig  # noqa: E402
-from engine.model.cached_decoder import CachedDecoder  # noqa: E402
-from engine.model.default_model import DEFAULT_MODEL_DIR  # noqa: E402
+from specserve.engine import EngineConfig  # noqa: E402
+from specserve.engine.model.cached_decoder import CachedDecoder  # noqa: E402
+from specserve.engine.model.default_model import DEFAULT_MODEL_DIR  # noqa: E402
 
 PEER_PYTHON = ROOT / ".venv-peer/bin/python"
 HF_EXPORT = ROOT / ".cache/peer/smollm2-hf"
@@ -51,8 +51,8 @@ def main() -> None:
 def run(args: argparse.Namespace) -> None:
     target = DEFAULT_MODEL_DIR / "target"
     config = EngineConfig(device="cpu", intra_op_threads=args.threads)
-    from engine.model.chat import ChatTemplate
-    from modelbuild.distill.prompts import build_prompts
+    from specserve.engine.model.chat import ChatTemplate
+    from specserve.modelbuild.distill.prompts import build_prompts
 
     prompts = [p["prompt"] for p in json.loads((ROOT / "tests/data/heldout_prompts.json").read_text())][: args.texts]
     template = ChatTemplate.from_model_dir(target)

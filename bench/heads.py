@@ -31,9 +31,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
 from bench.speculative import step_costs  # noqa: E402
-from engine import Engine, EngineConfig, GenerationOptions  # noqa: E402
-from engine.model.default_model import DEFAULT_MODEL_DIR  # noqa: E402
-from modelbuild.distill.prompts import build_prompts  # noqa: E402
+from specserve.engine import Engine, EngineConfig, GenerationOptions  # noqa: E402
+from specserve.engine.model.default_model import DEFAULT_MODEL_DIR  # noqa: E402
+from specserve.modelbuild.distill.prompts import build_prompts  # noqa: E402
 
 MODES = ["prompt_lookup", "draft_model", "mtp", "eagle3", "shared_kv"]
 

@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> None:
     import ray
     from ray.dag import InputNode
 
-    from cluster.local import start_local_ray
+    from specserve.cluster.local import start_local_ray
 
     start_local_ray()
     floats = int(args.anchor_kb * 1024 / 4)

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
-from engine import Engine, EngineConfig, GenerationOptions  # noqa: E402
+from specserve.engine import Engine, EngineConfig, GenerationOptions  # noqa: E402
 from speculative import MODES, step_costs  # noqa: E402  (bench/ is on sys.path when run as a file)
 
 PEER_PYTHON = ROOT / ".venv-peer/bin/python"

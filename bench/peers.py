@@ -35,9 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
-from engine import Engine, EngineConfig, GenerationOptions  # noqa: E402
-from engine.model.chat import ChatTemplate  # noqa: E402
-from engine.model.default_model import DEFAULT_MODEL_DIR  # noqa: E402
+from specserve.engine import Engine, EngineConfig, GenerationOptions  # noqa: E402
+from specserve.engine.model.chat import ChatTemplate  # noqa: E402
+from specserve.engine.model.default_model import DEFAULT_MODEL_DIR  # noqa: E402
 
 PEER_PYTHON = ROOT / ".venv-peer/bin/python"
 PEER_CACHE = ROOT / ".cache/peer"
@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> None:
         exact.close()
     report(args, engine, tallies, peers)
     if args.concurrency:
-        from modelbuild.distill.prompts import build_prompts
+        from specserve.modelbuild.distill.prompts import build_prompts
 
         # Distinct prompts for every request in flight (the 10 above would repeat at 16 and 32
         # streams): the distillation corpus's held-out chats, which no head trained on.
@@ -248,7 +248,7 @@ def concurrency(args, engine: Engine, prompts: list[str]) -> None:
         for streams in args.concurrency:
             local[(mode, streams)] = timed(in_process_runner(engine, options), streams, engine)
     engine.close()
-    from cluster.local import serve_local, start_local_ray
+    from specserve.cluster.local import serve_local, start_local_ray
 
     start_local_ray()
     try:

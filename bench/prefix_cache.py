@@ -89,7 +89,7 @@ def system_prompt() -> str:
 
 
 def serve(model_dir: str, replicas: int, routing: str, kv_blocks: int):
-    from cluster.local import serve_local, start_local_ray
+    from specserve.cluster.local import serve_local, start_local_ray
 
     start_local_ray()
     serve_local({"model_dir": model_dir, "deployment_overrides": {"TargetModel": {"num_replicas": replicas}},
@@ -140,7 +140,7 @@ def cold_and_warm(url: str, asked: list[list[dict]], max_tokens: int) -> None:
 def in_process_costs(model_dir: str, pairs: int) -> None:
     """Warm prefills whose fed tail is 1 token against 16, and cold prefills with prefix
     caching on against off, each interleaved, in-process."""
-    from engine import Engine, EngineConfig, GenerationOptions
+    from specserve.engine import Engine, EngineConfig, GenerationOptions
 
     config = EngineConfig(device="cpu", scheduler={"max_batch_size": 1})  # batch 1: calibrated in seconds
     with Engine(model_dir, config) as engine, \
@@ -179,7 +179,7 @@ def in_process_costs(model_dir: str, pairs: int) -> None:
 def draft_first_contact(fixture: str, pairs: int) -> None:
     """The first drafting round of a draft-model request, its prefix cold (after a reset)
     and warm (the same prompt again), interleaved, on the fixture in-process."""
-    from engine import Engine, EngineConfig, GenerationOptions, SpeculativeConfig
+    from specserve.engine import Engine, EngineConfig, GenerationOptions, SpeculativeConfig
 
     config = EngineConfig(device="cpu", speculative=SpeculativeConfig(load=("draft_model",), adaptive=False),
                           scheduler={"max_batch_size": 1})

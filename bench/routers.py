@@ -41,8 +41,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
 from bench.distributed import descendants  # noqa: E402
-from engine import Engine, EngineConfig, GenerationOptions  # noqa: E402
-from engine.model.default_model import DEFAULT_MODEL_DIR  # noqa: E402
+from specserve.engine import Engine, EngineConfig, GenerationOptions  # noqa: E402
+from specserve.engine.model.default_model import DEFAULT_MODEL_DIR  # noqa: E402
 
 APPS = {"one": 1, "two": 2}  # application -> router replicas
 
@@ -188,8 +188,8 @@ def run(args: argparse.Namespace) -> None:
     import yaml
     from ray import serve
 
-    from cluster.local import start_local_ray
-    from deployments.builder import build_app
+    from specserve.cluster.local import start_local_ray
+    from specserve.deployments.builder import build_app
 
     model = Path(args.model)
     settings = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]

@@ -54,8 +54,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import record
-from engine import Engine, EngineConfig, GenerationOptions, SpeculativeConfig
-from engine.options import SPECULATIVE_MODES
+from specserve.engine import Engine, EngineConfig, GenerationOptions, SpeculativeConfig
+from specserve.engine.options import SPECULATIVE_MODES
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 KV_SETTLE_S = 30.0
@@ -294,7 +294,7 @@ def local_server(port: int) -> Iterator[str]:
     import ray
     from ray import serve
 
-    from cluster.local import serve_local, start_local_ray
+    from specserve.cluster.local import serve_local, start_local_ray
 
     start_local_ray()
     try:

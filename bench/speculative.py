@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
-from engine import Engine, EngineConfig, GenerationOptions  # noqa: E402
-from engine.speculative.proposers.base import ProposerContext  # noqa: E402
-from engine.speculative.proposers.shared_kv import shared_kv_slices  # noqa: E402
+from specserve.engine import Engine, EngineConfig, GenerationOptions  # noqa: E402
+from specserve.engine.speculative.proposers.base import ProposerContext  # noqa: E402
+from specserve.engine.speculative.proposers.shared_kv import shared_kv_slices  # noqa: E402
 
 MODES = ["none", "prompt_lookup", "draft_model", "mtp", "eagle3", "shared_kv"]
 

@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
-from engine import Engine, EngineConfig, GenerationOptions, StructuredOutput  # noqa: E402
-from engine.grammar.compiler import GrammarCompiler  # noqa: E402
-from engine.model.default_model import DEFAULT_MODEL_DIR  # noqa: E402
+from specserve.engine import Engine, EngineConfig, GenerationOptions, StructuredOutput  # noqa: E402
+from specserve.engine.grammar.compiler import GrammarCompiler  # noqa: E402
+from specserve.engine.model.default_model import DEFAULT_MODEL_DIR  # noqa: E402
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "city": {"type": "string"}, "job": {"type": "string"}},

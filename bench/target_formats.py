@@ -28,9 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
-from engine import EngineConfig  # noqa: E402
-from engine.model.cached_decoder import CachedDecoder, FeedRequest  # noqa: E402
-from engine.model.default_model import DEFAULT_MODEL_DIR  # noqa: E402
+from specserve.engine import EngineConfig  # noqa: E402
+from specserve.engine.model.cached_decoder import CachedDecoder, FeedRequest  # noqa: E402
+from specserve.engine.model.default_model import DEFAULT_MODEL_DIR  # noqa: E402
 
 FORMATS = ("fast", "exact")
 WIDTHS = (1, 2, 5, 9, 17)

@@ -38,8 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
-from engine import Engine, EngineConfig, GenerationOptions, GenerationResult  # noqa: E402
-from engine.speculative.stats import SpeculativeStats  # noqa: E402
+from specserve.engine import Engine, EngineConfig, GenerationOptions, GenerationResult  # noqa: E402
+from specserve.engine.speculative.stats import SpeculativeStats  # noqa: E402
 
 SUITE = ROOT / "bench/data/task_suite.json"
 KINDS = ("grounded", "agentic", "chat")

@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
-from modelbuild.default_model import cached_gguf  # noqa: E402
-from modelbuild.from_gguf.convert import convert_gguf  # noqa: E402
+from specserve.modelbuild.default_model import cached_gguf  # noqa: E402
+from specserve.modelbuild.from_gguf.convert import convert_gguf  # noqa: E402
 
 CANDIDATES = {"fp32": ("fp32", 0), "q4_1": ("q4_1", 0), "q4_1 acc4": ("q4_1", 4), "int8": ("int8", 4)}
 WIDTHS = (1, 2, 5, 9, 17)
@@ -107,8 +107,8 @@ def run(args: argparse.Namespace) -> None:
             out = Path(scratch) / name.replace(" ", "_")
             convert_gguf(gguf, out, weight_format, level, step_format=None, fast=False, progress=lambda _: None)
             graphs[name] = Graphs(out / "target", args.threads, args.past)
-        from engine.model.chat import ChatTemplate
-        from engine.model.tokenizer import TextTokenizer
+        from specserve.engine.model.chat import ChatTemplate
+        from specserve.engine.model.tokenizer import TextTokenizer
 
         target = Path(scratch) / "fp32" / "target"
         prompt = ChatTemplate.from_model_dir(target).render([{"role": "user", "content": "What is the capital of France?"}])

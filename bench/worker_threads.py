@@ -29,10 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
-from engine import EngineConfig  # noqa: E402
-from engine.model.cached_decoder import CachedDecoder, FeedRequest  # noqa: E402
-from engine.model.default_model import DEFAULT_MODEL_DIR  # noqa: E402
-from engine.model.providers import session_options  # noqa: E402
+from specserve.engine import EngineConfig  # noqa: E402
+from specserve.engine.model.cached_decoder import CachedDecoder, FeedRequest  # noqa: E402
+from specserve.engine.model.default_model import DEFAULT_MODEL_DIR  # noqa: E402
+from specserve.engine.model.providers import session_options  # noqa: E402
 
 PAST = 120
 CONFIGS = {"1 thread": (1, False, False), "2 threads": (2, False, False),

@@ -2,7 +2,7 @@
 
 Ray on a small machine needs explicit logical resources: the deployments ask for
 fractional CPUs, and the default (one logical CPU per core) would leave two cores
-unable to place them all. ``python -m cluster.local`` is the embedded default the
+unable to place them all. ``python -m specserve.cluster.local`` is the embedded default the
 README's Quickstart runs: a Ray head on 127.0.0.1, the whole application on the default
 model (or ``--model-dir``), the URLs printed, Ctrl-C to stop.
 """
@@ -55,7 +55,7 @@ def serve_local(args: dict, port: int = 8000, host: str = LOCAL_HOST, blocking: 
     """Deploy the application on the running Ray instance; returns the app handle."""
     from ray import serve
 
-    from deployments.builder import build_app
+    from specserve.deployments.builder import build_app
 
     serve.start(http_options={"host": host, "port": port}, logging_config={"log_level": "WARNING"})
     return serve.run(build_app(args), name="specserve", route_prefix="/", blocking=blocking)
@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     if options.modes is not None:
         speculative["load"] = [m for m in options.modes.split(",") if m]
     args = {"model_dir": options.model_dir, "engine": {"device": options.device, "speculative": speculative}}
-    from deployments.settings import ServeSettings
-    from engine.model.bundle import Bundle
+    from specserve.deployments.settings import ServeSettings
+    from specserve.engine.model.bundle import Bundle
 
     model = Bundle.load(ServeSettings.model_validate(args).bundle_dir()).name
     serve_local(args, options.port, options.host)

@@ -30,7 +30,7 @@ class ReplicaAffinityRouter(PowerOfTwoChoicesRequestRouter):
 
 
 # After the class: the config imports it by name.
-AFFINITY_ROUTER = RequestRouterConfig(request_router_class="deployments.affinity:ReplicaAffinityRouter")
+AFFINITY_ROUTER = RequestRouterConfig(request_router_class="specserve.deployments.affinity:ReplicaAffinityRouter")
 # Serve options shared by the deployments the coordinator calls every tick (the target and
 # the proposers): affinity routing, a health probe of the real model every 10 s, and no
 # access log (per-tick calls would log several lines per round).

@@ -25,7 +25,7 @@ SEQUENCES = "sequences"            # sequences whose state the replica's worker 
 KV_BLOCKS_USED = "kv_blocks_used"  # target only: blocks reserved in its pool (admission's limit)
 KV_BLOCKS_TOTAL = "kv_blocks_total"
 
-POLICY_PATH = "deployments.autoscaling:ReplicaLoadPolicy"
+POLICY_PATH = "specserve.deployments.autoscaling:ReplicaLoadPolicy"
 
 
 class ReplicaLoadPolicy:

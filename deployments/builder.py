@@ -14,9 +14,9 @@ import logging
 from ray import serve
 from ray.serve import Application
 
-from engine.assembly import model_modes
-from engine.model.bundle import Bundle
-from engine.sched.sequence_driver import resolve_default_mode, served_modes
+from specserve.engine.assembly import model_modes
+from specserve.engine.model.bundle import Bundle
+from specserve.engine.sched.sequence_driver import resolve_default_mode, served_modes
 
 from .proposer import ProposerModel
 from .router import RouterIngress

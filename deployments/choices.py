@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 from typing import Callable
 
-from engine.options import GenerationOptions
-from engine.sched.coordinator import RoundCoordinator
+from specserve.engine.options import GenerationOptions
+from specserve.engine.sched.coordinator import RoundCoordinator
 
 
 async def admit_all(coordinator: RoundCoordinator, drivers: list, rejected: Callable[[object, str], None]) -> list:

@@ -29,10 +29,10 @@ import logging
 import time
 from typing import Hashable, Sequence
 
-from engine.kv.admission import Admission
-from engine.kv.block_ledger import Grant
-from engine.kv.replica_choice import ReplicaRouting
-from engine.sched.background import detached
+from specserve.engine.kv.admission import Admission
+from specserve.engine.kv.block_ledger import Grant
+from specserve.engine.kv.replica_choice import ReplicaRouting
+from specserve.engine.sched.background import detached
 
 log = logging.getLogger("specserve.kv_manager")
 

@@ -20,7 +20,7 @@ from collections import defaultdict
 
 from ray.serve import metrics
 
-from engine.sched.metrics import RoundMetrics
+from specserve.engine.sched.metrics import RoundMetrics
 
 DRAFT_LENGTH_BUCKETS = [0.5 + k for k in range(16)]  # one bucket per whole draft count 0..16
 LATENCY_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48]

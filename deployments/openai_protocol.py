@@ -23,8 +23,8 @@ from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origi
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictInt, ValidationInfo, field_validator, model_validator
 
-from engine.grammar.spec import StructuredOutput
-from engine.options import (MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, GenerationOptions, LogitBiasValue, OptionFields,
+from specserve.engine.grammar.spec import StructuredOutput
+from specserve.engine.options import (MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, GenerationOptions, LogitBiasValue, OptionFields,
                             TokenId, checked_stops)
 
 MAX_CHOICES = 16  # n: each choice reserves its own KV

@@ -18,10 +18,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from engine.sched.sequence_driver import SequenceDriver
-from engine.speculative.sampling import TokenLogprob
-from engine.speculative.sequence import TokenEvent
-from engine.speculative.stats import SpeculativeStats
+from specserve.engine.sched.sequence_driver import SequenceDriver
+from specserve.engine.speculative.sampling import TokenLogprob
+from specserve.engine.speculative.sequence import TokenEvent
+from specserve.engine.speculative.stats import SpeculativeStats
 
 from .openai_protocol import ApiError
 from .tool_calls import ToolCallScanner, ToolPlan

@@ -25,9 +25,9 @@ from typing import Hashable, Sequence
 import ray
 from ray import serve
 
-from engine.sched.cost_tables import DraftCostTable
-from engine.sched.messages import ProposeItem, ProposeResult
-from engine.speculative.proposers.registry import PROPOSER_KINDS
+from specserve.engine.sched.cost_tables import DraftCostTable
+from specserve.engine.sched.messages import ProposeItem, ProposeResult
+from specserve.engine.speculative.proposers.registry import PROPOSER_KINDS
 
 from .affinity import TICK_WORKER_OPTIONS
 from .settings import ServeSettings

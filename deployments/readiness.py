@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 
-from engine.sched.background import detached
+from specserve.engine.sched.background import detached
 
 log = logging.getLogger("specserve.readiness")
 

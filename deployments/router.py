@@ -28,19 +28,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from engine.assembly import coordination, proposer_needs
-from engine.errors import InvalidRequestError
-from engine.grammar.compiler import grammar_compiler
-from engine.grammar.spec import StructuredOutput
-from engine.kv.block_ledger import AdmissionError
-from engine.model.bundle import Bundle
-from engine.model.chat import ChatTemplate
-from engine.model.tokenizer import TextTokenizer
-from engine.options import GenerationOptions
-from engine.sched.background import detached
-from engine.sched.coordinator import RequestFailedError, RoundCoordinator
-from engine.sched.sequence_driver import DriverFactory, Speculation
-from engine.speculative.sequence import TokenEvent
+from specserve.engine.assembly import coordination, proposer_needs
+from specserve.engine.errors import InvalidRequestError
+from specserve.engine.grammar.compiler import grammar_compiler
+from specserve.engine.grammar.spec import StructuredOutput
+from specserve.engine.kv.block_ledger import AdmissionError
+from specserve.engine.model.bundle import Bundle
+from specserve.engine.model.chat import ChatTemplate
+from specserve.engine.model.tokenizer import TextTokenizer
+from specserve.engine.options import GenerationOptions
+from specserve.engine.sched.background import detached
+from specserve.engine.sched.coordinator import RequestFailedError, RoundCoordinator
+from specserve.engine.sched.sequence_driver import DriverFactory, Speculation
+from specserve.engine.speculative.sequence import TokenEvent
 
 from .choices import admit_all, all_choices, choice_options
 from .kv_manager import owned_seq_id

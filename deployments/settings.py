@@ -12,9 +12,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.config import EngineConfig
+from specserve.engine.config import EngineConfig
 
-from engine.model.default_model import PROJECT_ROOT, default_model_dir
+from specserve.engine.model.default_model import DATA_HOME, default_model_dir
 
 
 class ServeSettings(BaseModel):
@@ -22,7 +22,8 @@ class ServeSettings(BaseModel):
 
     model_dir: str | None = Field(None, description="bundle with manifest.json (None: the default model, "
                                   "SmolLM2-135M-Instruct, or $SPECSERVE_MODEL); a relative path is looked up in the "
-                                                 "working directory, then in the project root")
+                                  "working directory, then in the data home: the checkout, or $SPECSERVE_HOME, "
+                                  "default ~/.local/share/specserve")
     engine: EngineConfig = Field(default_factory=EngineConfig, description=(
         "the engine's configuration (engine/config.py); `engine.speculative.load` = the proposer kinds to "
         "deploy (None = every one the bundle provides), `engine.scheduler.lanes` = the router's tick loops"))
@@ -58,4 +59,4 @@ class ServeSettings(BaseModel):
         path = Path(self.model_dir).expanduser()
         if path.is_absolute() or path.exists():
             return path.resolve()
-        return (PROJECT_ROOT / path).resolve()
+        return (DATA_HOME / path).resolve()

@@ -10,7 +10,7 @@ import math
 import weakref
 from typing import AsyncIterator, Callable
 
-from engine.speculative.sequence import TokenEvent
+from specserve.engine.speculative.sequence import TokenEvent
 
 from .openai_responses import ChoiceEvent
 

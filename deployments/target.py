@@ -18,8 +18,8 @@ import ray
 from ray import serve
 from ray.serve.config import DeploymentActorConfig
 
-from engine.sched.cost_tables import VerifyCostTable
-from engine.sched.messages import PrefillItem, TargetResult, VerifyItem
+from specserve.engine.sched.cost_tables import VerifyCostTable
+from specserve.engine.sched.messages import PrefillItem, TargetResult, VerifyItem
 
 from .affinity import TICK_WORKER_OPTIONS
 from .kv_manager import KVManager

@@ -39,7 +39,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from engine.grammar.spec import StructuredOutput
+from specserve.engine.grammar.spec import StructuredOutput
 
 from .openai_protocol import ApiError, ChatCompletionRequest, ChatMessage, NamedToolChoice
 

@@ -16,11 +16,11 @@ from typing import Hashable, Sequence
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
-from engine.kv.block_ledger import AdmissionError, Grant
-from engine.sched.background import detached
-from engine.sched.coordinator import TargetUnavailableError
-from engine.sched.cost_tables import DraftCostTable, VerifyCostTable
-from engine.sched.messages import PrefillItem, ProposeItem, ProposeResult, TargetResult, VerifyItem
+from specserve.engine.kv.block_ledger import AdmissionError, Grant
+from specserve.engine.sched.background import detached
+from specserve.engine.sched.coordinator import TargetUnavailableError
+from specserve.engine.sched.cost_tables import DraftCostTable, VerifyCostTable
+from specserve.engine.sched.messages import PrefillItem, ProposeItem, ProposeResult, TargetResult, VerifyItem
 
 from .affinity import REPLICA_HINT
 

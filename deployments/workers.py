@@ -31,15 +31,15 @@ import ray
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engine.assembly import proposer_worker, target_worker
-from engine.config import EngineConfig
-from engine.model.bundle import Bundle
-from engine.grammar.compiler import GrammarCompiler, grammar_compiler
-from engine.model.cached_decoder import CachedDecoder, model_eos_token_ids
-from engine.model.tokenizer import TextTokenizer
-from engine.sched.cost_tables import DraftCostTable, VerifyCostTable
-from engine.sched.messages import PrefillItem, ProposeItem, ProposeResult, TargetResult, VerifyItem
-from engine.speculative.proposers.registry import PROPOSER_KINDS
+from specserve.engine.assembly import proposer_worker, target_worker
+from specserve.engine.config import EngineConfig
+from specserve.engine.model.bundle import Bundle
+from specserve.engine.grammar.compiler import GrammarCompiler, grammar_compiler
+from specserve.engine.model.cached_decoder import CachedDecoder, model_eos_token_ids
+from specserve.engine.model.tokenizer import TextTokenizer
+from specserve.engine.sched.cost_tables import DraftCostTable, VerifyCostTable
+from specserve.engine.sched.messages import PrefillItem, ProposeItem, ProposeResult, TargetResult, VerifyItem
+from specserve.engine.speculative.proposers.registry import PROPOSER_KINDS
 
 from .autoscaling import KV_BLOCKS_TOTAL, KV_BLOCKS_USED, POLICY_PATH, SEQUENCES, reads_replica_load
 from .kv_manager import LEASE_S, owner_of

@@ -15,15 +15,15 @@ Pure Python + numpy + onnxruntime; nothing here may import Ray. Layout:
 
 ``deployments/`` runs the same scheduler across Ray Serve processes.
 """
-from engine.api import Engine, GenerationResult
-from engine.config import EngineConfig, SchedulerConfig, SpeculativeConfig
-from engine.errors import EngineError, InvalidRequestError, ModelLoadError, PromptTooLongError
-from engine.grammar.spec import StructuredOutput
-from engine.kv.paged_cache import KVCacheCapacityError, PagedKVCache
-from engine.model.cached_decoder import CachedDecoder
-from engine.options import GenerationOptions
-from engine.speculative.sequence import TokenEvent
-from engine.speculative.stats import SpeculativeStats
+from specserve.engine.api import Engine, GenerationResult
+from specserve.engine.config import EngineConfig, SchedulerConfig, SpeculativeConfig
+from specserve.engine.errors import EngineError, InvalidRequestError, ModelLoadError, PromptTooLongError
+from specserve.engine.grammar.spec import StructuredOutput
+from specserve.engine.kv.paged_cache import KVCacheCapacityError, PagedKVCache
+from specserve.engine.model.cached_decoder import CachedDecoder
+from specserve.engine.options import GenerationOptions
+from specserve.engine.speculative.sequence import TokenEvent
+from specserve.engine.speculative.stats import SpeculativeStats
 
 __all__ = ["CachedDecoder", "Engine", "EngineConfig", "EngineError", "GenerationOptions", "GenerationResult",
            "InvalidRequestError", "KVCacheCapacityError", "ModelLoadError", "PagedKVCache", "PromptTooLongError",

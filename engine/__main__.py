@@ -1,5 +1,5 @@
-"""Command line: ``python -m engine chat --message "What is the capital of France?"`` (the
-default model, with its chat template) or ``python -m engine generate --prompt "def "``
+"""Command line: ``python -m specserve.engine chat --message "What is the capital of France?"`` (the
+default model, with its chat template) or ``python -m specserve.engine generate --prompt "def "``
 (raw text; ``--model`` names another bundle, e.g. ``models/fixture``)."""
 from __future__ import annotations
 
@@ -10,17 +10,17 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from engine.api import Engine
-from engine.config import EngineConfig, SpeculativeConfig
-from engine.errors import EngineError
-from engine.grammar.spec import StructuredOutput
-from engine.options import SPECULATIVE_MODES, GenerationOptions
-from engine.speculative.proposers.registry import MODEL_MODES
-from engine.speculative.sequence import TokenEvent
+from specserve.engine.api import Engine
+from specserve.engine.config import EngineConfig, SpeculativeConfig
+from specserve.engine.errors import EngineError
+from specserve.engine.grammar.spec import StructuredOutput
+from specserve.engine.options import SPECULATIVE_MODES, GenerationOptions
+from specserve.engine.speculative.proposers.registry import MODEL_MODES
+from specserve.engine.speculative.sequence import TokenEvent
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m engine", description="specserve in-process engine")
+    parser = argparse.ArgumentParser(prog="python -m specserve.engine", description="specserve in-process engine")
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="continue a raw text prompt and print it with its speed")
     gen.add_argument("--prompt", required=True)

@@ -22,23 +22,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from engine.assembly import coordination, model_modes, proposer_needs, proposer_worker, target_worker
-from engine.config import EngineConfig
-from engine.grammar.compiler import grammar_compiler
-from engine.model.bundle import resolve_model_path
-from engine.model.cached_decoder import CachedDecoder
-from engine.model.chat import ChatTemplate
-from engine.model.default_model import default_model_dir
-from engine.model.tokenizer import TextTokenizer
-from engine.options import GenerationOptions
-from engine.sched.local_transport import LocalTransport
-from engine.sched.metrics import RoundMetrics
-from engine.sched.sequence_driver import SequenceDriver
-from engine.speculative.proposers.base import Needs
-from engine.speculative.proposers.registry import PROPOSER_KINDS, LoadedProposer
-from engine.speculative.sampling import TokenLogprob
-from engine.speculative.sequence import FinishReason, TokenCallback, TokenEvent
-from engine.speculative.stats import SpeculativeStats
+from specserve.engine.assembly import coordination, model_modes, proposer_needs, proposer_worker, target_worker
+from specserve.engine.config import EngineConfig
+from specserve.engine.grammar.compiler import grammar_compiler
+from specserve.engine.model.bundle import resolve_model_path
+from specserve.engine.model.cached_decoder import CachedDecoder
+from specserve.engine.model.chat import ChatTemplate
+from specserve.engine.model.default_model import default_model_dir
+from specserve.engine.model.tokenizer import TextTokenizer
+from specserve.engine.options import GenerationOptions
+from specserve.engine.sched.local_transport import LocalTransport
+from specserve.engine.sched.metrics import RoundMetrics
+from specserve.engine.sched.sequence_driver import SequenceDriver
+from specserve.engine.speculative.proposers.base import Needs
+from specserve.engine.speculative.proposers.registry import PROPOSER_KINDS, LoadedProposer
+from specserve.engine.speculative.sampling import TokenLogprob
+from specserve.engine.speculative.sequence import FinishReason, TokenCallback, TokenEvent
+from specserve.engine.speculative.stats import SpeculativeStats
 
 
 @dataclass

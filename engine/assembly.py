@@ -12,20 +12,20 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
-from engine.config import EngineConfig
-from engine.errors import ModelLoadError
-from engine.grammar.compiler import GrammarCompiler
-from engine.model.bundle import Bundle
-from engine.model.cached_decoder import CachedDecoder
-from engine.model.tokenizer import TextTokenizer
-from engine.sched.coordinator import RoundCoordinator, Transport
-from engine.sched.metrics import RoundMetrics
-from engine.sched.proposer_worker import IDLE_TIMEOUT_S, ProposerWorker
-from engine.sched.sequence_driver import DriverFactory
-from engine.sched.target_worker import TargetWorker
-from engine.speculative.proposers.base import Needs
-from engine.speculative.proposers.kind import LoadedProposer
-from engine.speculative.proposers.registry import MODEL_MODES, PROPOSER_KINDS, provided_modes
+from specserve.engine.config import EngineConfig
+from specserve.engine.errors import ModelLoadError
+from specserve.engine.grammar.compiler import GrammarCompiler
+from specserve.engine.model.bundle import Bundle
+from specserve.engine.model.cached_decoder import CachedDecoder
+from specserve.engine.model.tokenizer import TextTokenizer
+from specserve.engine.sched.coordinator import RoundCoordinator, Transport
+from specserve.engine.sched.metrics import RoundMetrics
+from specserve.engine.sched.proposer_worker import IDLE_TIMEOUT_S, ProposerWorker
+from specserve.engine.sched.sequence_driver import DriverFactory
+from specserve.engine.sched.target_worker import TargetWorker
+from specserve.engine.speculative.proposers.base import Needs
+from specserve.engine.speculative.proposers.kind import LoadedProposer
+from specserve.engine.speculative.proposers.registry import MODEL_MODES, PROPOSER_KINDS, provided_modes
 
 def model_modes(bundle: Bundle | None, config: EngineConfig, where: str) -> list[str]:
     """The proposer kinds with a model of their own to load (in-process) or deploy

@@ -12,8 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.kv.replica_choice import ReplicaRouting
-from engine.options import MAX_SPECULATIVE_TOKENS, SpeculativeMode
+from specserve.engine.kv.replica_choice import ReplicaRouting
+from specserve.engine.options import MAX_SPECULATIVE_TOKENS, SpeculativeMode
 
 Device = Literal["auto", "cpu", "cuda"]  # where onnxruntime sessions run (``model.providers`` resolves "auto")
 # How an onnxruntime session's pool threads wait for work: spinning between runs too, spinning

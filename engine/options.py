@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.grammar.spec import StructuredOutput
+from specserve.engine.grammar.spec import StructuredOutput
 
 
 SpeculativeMode = Literal["none", "prompt_lookup", "suffix", "draft_model", "mtp", "eagle3", "shared_kv"]

@@ -1,4 +1,4 @@
-"""Rebuild ``models/`` from scratch, offline: ``python -m modelbuild [--out models]``.
+"""Rebuild ``models/`` from scratch, offline: ``python -m specserve.modelbuild [--out models]``.
 
 Stages: corpus -> BPE tokenizer -> target (next-token CE) -> draft (distilled from the
 target) -> float16 checkpoints + ONNX export (traced, checked against torch, then rewritten as the
@@ -20,7 +20,7 @@ import onnxruntime as ort
 import torch
 from safetensors.torch import load_file
 
-from engine.model.manifest import (Architecture, ArrayEntry, BundleManifest, CorpusRecord, HiddenOutputs,
+from specserve.engine.model.manifest import (Architecture, ArrayEntry, BundleManifest, CorpusRecord, HiddenOutputs,
                              ModelEntry, TrainingRecord)
 
 from .corpus import load_corpus

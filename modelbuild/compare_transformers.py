@@ -1,4 +1,4 @@
-"""Check that transformers runs the very same weights: ``python -m modelbuild.compare_transformers``.
+"""Check that transformers runs the very same weights: ``python -m specserve.modelbuild.compare_transformers``.
 
 Loads ``models/fixture/target`` and ``models/fixture/draft`` (float16 safetensors + config.json) with
 transformers' own ``LlamaForCausalLM`` and compares its logits and greedy continuation
@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from transformers import LlamaForCausalLM
 
-from engine.model.onnx_model import OnnxDecoder
-from engine.model.tokenizer import TextTokenizer
+from specserve.engine.model.onnx_model import OnnxDecoder
+from specserve.engine.model.tokenizer import TextTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 

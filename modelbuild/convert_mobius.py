@@ -1,8 +1,8 @@
 """Rebuild a bundle's target with mobius-onnx, keeping everything else:
-``python -m modelbuild.convert_mobius --bundle models --out /tmp/mobius_bundle``.
+``python -m specserve.modelbuild.convert_mobius --bundle models --out /tmp/mobius_bundle``.
 
 Dev-only, in the convert venv (``bash scripts/install_convert.sh``). A user's own
-checkpoints go through ``python -m modelbuild.convert``; this runs the same target
+checkpoints go through ``python -m specserve.modelbuild.convert``; this runs the same target
 conversion on the bundle's target and keeps the bundle's trained heads, so every mode
 can be checked against it (checked: every mode's greedy output on 10 held-out prompts
 equals target-only's, with the bundle's τ):
@@ -24,7 +24,7 @@ import json
 import shutil
 from pathlib import Path
 
-from engine.model.manifest import BundleManifest
+from specserve.engine.model.manifest import BundleManifest
 
 from .convert.target import build_target_graph
 

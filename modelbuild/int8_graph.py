@@ -41,7 +41,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from engine.model.heads import INT8_FILE
+from specserve.engine.model.heads import INT8_FILE
 
 from .int8_storage import DEQUANT_PREFIX
 from .weights_file import IR_VERSION
@@ -148,7 +148,7 @@ def write_int8_twin(head_dir: Path) -> int:
 
 
 def main() -> None:
-    """Write the int8 twin of each head directory given: ``python -m modelbuild.int8_graph
+    """Write the int8 twin of each head directory given: ``python -m specserve.modelbuild.int8_graph
     models/fixture/heads/eagle3 models/fixture/heads/shared_kv``. Needs only onnx (no torch, no retraining)."""
     import argparse
 

@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 from onnx import TensorProto, helper
 
-from engine.model.in_place import LOGITS_FROM
+from specserve.engine.model.in_place import LOGITS_FROM
 
 from .fused_graph import (MS, HalfSafetensors, WeightSource, _Graph, _rotary_caches, input_norm, read_llama_config,
                           save_decoder, skip_norm)

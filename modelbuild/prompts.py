@@ -1,4 +1,4 @@
-"""Held-out evaluation prompts for tests and benchmarks: ``python -m modelbuild.prompts``.
+"""Held-out evaluation prompts for tests and benchmarks: ``python -m specserve.modelbuild.prompts``.
 
 Each prompt is a snippet of a held-out corpus file (never trained on) that ends right
 after a ``def`` line, so the natural continuation is a function body.

@@ -13,4 +13,4 @@ if .venv/bin/python -m pip show onnxruntime >/dev/null 2>&1; then
   echo "error: plain 'onnxruntime' is installed beside 'onnxruntime-gpu' in .venv; uninstall it" >&2
   exit 1
 fi
-.venv/bin/python -m modelbuild.default_model
+.venv/bin/specserve convert --default-model

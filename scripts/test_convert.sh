@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install_convert.sh
-PYTHONPATH=. TQDM_DISABLE=1 exec .venv-convert/bin/python -m pytest tests/convert "$@"
+TQDM_DISABLE=1 exec .venv-convert/bin/python -m pytest tests/convert "$@"

@@ -3,12 +3,16 @@
     specserve serve [--port 8000 ...]      the quickstart's server: a local Ray head, every deployment
     specserve chat [--url URL] [...]       an interactive chat, embedded or against a server
     specserve generate --prompt TEXT ...   continue raw text in-process
+    specserve convert --default-model      fetch and convert the default model (SmolLM2-135M-Instruct)
     specserve convert --gguf FILE ...      convert a GGUF or Hugging Face checkpoint into a bundle
     specserve bench NAME [...]             run bench/NAME.py (``specserve bench --list``)
 
 ``serve``, ``generate`` and ``convert`` take the flags of the modules they run
-(``cluster.local``, ``python -m engine generate``, ``modelbuild.convert``). ``convert`` and
-``bench`` run from a source checkout, where ``modelbuild/`` and ``bench/`` live.
+(``specserve.cluster.local``, ``python -m specserve.engine generate``,
+``specserve.modelbuild.convert``; ``convert --default-model`` those of
+``specserve.modelbuild.default_model``). A GGUF converts with the ``gguf`` extra, a Hugging
+Face checkpoint with the ``convert`` extra. ``bench`` runs from a source checkout, where
+``bench/`` lives.
 """
 from __future__ import annotations
 
@@ -32,20 +36,24 @@ def _checkout_dir(name: str, command: str) -> Path:
 
 
 def serve(argv: list[str]) -> int:
-    from cluster.local import main as local_main
+    from specserve.cluster.local import main as local_main
 
     return local_main(argv)
 
 
 def generate(argv: list[str]) -> int:
-    from engine.__main__ import main as engine_main
+    from specserve.engine.__main__ import main as engine_main
 
     return engine_main(["generate", *argv])
 
 
 def convert(argv: list[str]) -> int:
-    _checkout_dir("modelbuild", "convert")
-    from modelbuild.convert.__main__ import main as convert_main
+    if "--default-model" in argv:
+        from specserve.modelbuild.default_model import main as default_model_main
+
+        default_model_main([arg for arg in argv if arg != "--default-model"])
+        return 0
+    from specserve.modelbuild.convert.__main__ import main as convert_main
 
     convert_main(argv)
     return 0
@@ -89,7 +97,7 @@ def chat(argv: list[str]) -> int:
                 **({"speculative_mode": args.speculative} if args.speculative else {})}
         answer = chat_loop.remote(args.url, body)
     else:
-        from engine import Engine, EngineConfig, GenerationOptions
+        from specserve.engine import Engine, EngineConfig, GenerationOptions
 
         print("loading the model ...", flush=True)
         engine = Engine(args.model, EngineConfig(device=args.device, target_format=args.target_format))

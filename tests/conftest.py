@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import Engine, EngineConfig, SpeculativeConfig
+from specserve.engine import Engine, EngineConfig, SpeculativeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 # tests/convert needs torch, transformers and mobius-onnx, which live in the convert venv
@@ -60,7 +60,7 @@ def default_model_server() -> str:
     on), started once for every test that reads it; yields its base URL. Those tests run
     last (``pytest_collection_modifyitems``), so this local Ray starts after every other
     test's has shut down: one local Ray at a time."""
-    from engine.model.default_model import DEFAULT_MODEL_DIR
+    from specserve.engine.model.default_model import DEFAULT_MODEL_DIR
 
     args = {"model_dir": str(DEFAULT_MODEL_DIR), "served_model_name": None,
             "engine": {"speculative": {"default_mode": "auto", "adaptive": True}}}
@@ -107,7 +107,7 @@ def running_server(args: dict | None = None, env: dict[str, str] | None = None, 
     import ray
     from ray import serve
 
-    from cluster.local import serve_local, start_local_ray
+    from specserve.cluster.local import serve_local, start_local_ray
 
     def merged(base: dict, extra: dict) -> dict:
         out = dict(base)
@@ -212,9 +212,9 @@ def served_every_mode(url: str, engine: Engine, chats: list[list[dict]], streams
 
     import openai
 
-    from engine import GenerationOptions
-    from engine.model.default_model import DEFAULT_MODEL_NAME
-    from engine.speculative.proposers.registry import PROPOSER_KINDS
+    from specserve.engine import GenerationOptions
+    from specserve.engine.model.default_model import DEFAULT_MODEL_NAME
+    from specserve.engine.speculative.proposers.registry import PROPOSER_KINDS
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
     options = GenerationOptions(max_new_tokens=new_tokens, temperature=0, speculative_mode="none")

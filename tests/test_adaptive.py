@@ -12,16 +12,16 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from engine import Engine, GenerationOptions
-from engine.sched.cost_models import MIN_KIND_CALLS, DraftCostModel, VerifyCostModel
-from engine.sched.call_clock import SerialCallClock
-from engine.sched.cost_tables import DraftCostTable, VerifyCostTable
-from engine.sched.verify_split import verify_groups
-from engine.sched.acceptance import AcceptanceTracker
-from engine.sched.call_pricing import CATCH_UP_STEPS
-from engine.sched.draft_length import (ENGAGE_MARGIN, EXPLORE_BACKOFF, EXPLORE_BATCH, DraftLengthPlanner,
+from specserve.engine import Engine, GenerationOptions
+from specserve.engine.sched.cost_models import MIN_KIND_CALLS, DraftCostModel, VerifyCostModel
+from specserve.engine.sched.call_clock import SerialCallClock
+from specserve.engine.sched.cost_tables import DraftCostTable, VerifyCostTable
+from specserve.engine.sched.verify_split import verify_groups
+from specserve.engine.sched.acceptance import AcceptanceTracker
+from specserve.engine.sched.call_pricing import CATCH_UP_STEPS
+from specserve.engine.sched.draft_length import (ENGAGE_MARGIN, EXPLORE_BACKOFF, EXPLORE_BATCH, DraftLengthPlanner,
                                       DraftRequest, RoundPlan, RoundTime, explore_wait)
-from engine.speculative.proposers.registry import HEAD_MODES
+from specserve.engine.speculative.proposers.registry import HEAD_MODES
 
 from .conftest import CPU_CONFIG, MODELS, generate_concurrently
 
@@ -717,7 +717,7 @@ def test_a_head_never_drafts_without_the_anchor_of_its_last_call(mode, adaptive_
     slices either); a plan that then wants drafts first runs a plain round that brings
     the anchor back, so every proposal starts from the last call's anchor and the tokens
     stay the target's."""
-    from engine.sched.proposer_worker import ProposerWorker
+    from specserve.engine.sched.proposer_worker import ProposerWorker
 
     options = GenerationOptions(max_new_tokens=48, ignore_eos=True, speculative_mode=mode)
     expected = [adaptive_engine.generate(p, options.model_copy(update={"speculative_mode": "none"})).token_ids

@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from deployments.autoscaling import ReplicaLoadPolicy, replica_load_autoscaling
-from engine import GenerationOptions
+from specserve.deployments.autoscaling import ReplicaLoadPolicy, replica_load_autoscaling
+from specserve.engine import GenerationOptions
 
 from .conftest import running_server
 

@@ -7,8 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from engine.kv import batch_layout
-from engine.model.cached_decoder import CachedDecoder, FeedRequest
+from specserve.engine.kv import batch_layout
+from specserve.engine.model.cached_decoder import CachedDecoder, FeedRequest
 from tests.conftest import CPU_CONFIG, DRAFT_DIR
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.model.manifest import BundleManifest
-from engine.model.onnx_model import OnnxDecoder
-from engine.model.tokenizer import TextTokenizer
+from specserve.engine.model.manifest import BundleManifest
+from specserve.engine.model.onnx_model import OnnxDecoder
+from specserve.engine.model.tokenizer import TextTokenizer
 
 from .conftest import MODELS, ROOT
 
@@ -128,7 +128,7 @@ def test_served_graphs_are_what_the_fused_graph_builder_writes_from_the_checkpoi
     """``models/*/model.onnx`` is reproducible: rebuilt from the checkpoint by
     ``modelbuild.fused_graph`` it computes the same outputs (a hand-edited or stale graph
     fails here; the held-out-loss test above ties the weights to what torch trained)."""
-    from modelbuild.fused_graph import build_fused_decoder, parity
+    from specserve.modelbuild.fused_graph import build_fused_decoder, parity
 
     entry = manifest.models[role]
     for name in (entry.config, entry.weights):
@@ -144,7 +144,7 @@ def test_in_place_twins_are_what_the_builder_writes_and_compute_what_the_served_
     node, and agrees with the served graph over prefill, verifies, rewinds and steps."""
     import onnx
 
-    from modelbuild.fused_graph import IN_PLACE_FILE, build_fused_decoder, in_place_parity
+    from specserve.modelbuild.fused_graph import IN_PLACE_FILE, build_fused_decoder, in_place_parity
 
     entry = manifest.models[role]
     committed = MODELS / entry.directory / IN_PLACE_FILE
@@ -166,8 +166,8 @@ def test_a_mobius_targets_outputs_get_the_bundles_names(manifest, tmp_path):
     conversion was checked by hand: every mode token-identical to target-only)."""
     import onnx
 
-    from modelbuild.convert.target import adopt_output_names
-    from modelbuild.fused_graph import parity
+    from specserve.modelbuild.convert.target import adopt_output_names
+    from specserve.modelbuild.fused_graph import parity
 
     entry = manifest.models["target"]
     aux = tuple(entry.hidden_outputs.layer_indices)

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from deployments.choices import admit_all
-from engine import Engine, EngineConfig, GenerationOptions, SpeculativeConfig
-from engine.config import SchedulerConfig
-from engine.kv.block_ledger import AdmissionError, BlockLedger
+from specserve.deployments.choices import admit_all
+from specserve.engine import Engine, EngineConfig, GenerationOptions, SpeculativeConfig
+from specserve.engine.config import SchedulerConfig
+from specserve.engine.kv.block_ledger import AdmissionError, BlockLedger
 
 from .conftest import ROOT
 

@@ -1,6 +1,6 @@
 """Converted Hugging Face checkpoints through the server: tiny random checkpoints in
 every published head layout (EAGLE-3 SafeAILab and speculators, Qwen3.5 dense and
-Qwen3-Next mixture-of-experts MTP, Gemma-4 assistant) are converted by ``python -m modelbuild.convert`` in the convert venv, served
+Qwen3-Next mixture-of-experts MTP, Gemma-4 assistant) are converted by ``python -m specserve.modelbuild.convert`` in the convert venv, served
 on a real local Ray Serve, and every mode's greedy tokens over HTTP must equal the
 in-process engine's target-only tokens on the same bundle.
 
@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from engine import Engine, EngineConfig, GenerationOptions, SpeculativeConfig
+from specserve.engine import Engine, EngineConfig, GenerationOptions, SpeculativeConfig
 
 from .conftest import ROOT, running_server
 

@@ -21,14 +21,14 @@ import numpy as np
 import openai
 import pytest
 
-from engine import Engine, GenerationOptions, InvalidRequestError
-from engine.model.bundle import Bundle
-from engine.model.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
-from engine.speculative.proposers.registry import PROPOSER_KINDS
-from modelbuild.default_model import SMOLLM2
-from modelbuild.from_gguf.checkpoint import GgufCheckpoint
-from modelbuild.fused_graph import _Graph
-from modelbuild.from_gguf.weights import ExternalData, GgufWeights
+from specserve.engine import Engine, GenerationOptions, InvalidRequestError
+from specserve.engine.model.bundle import Bundle
+from specserve.engine.model.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
+from specserve.engine.speculative.proposers.registry import PROPOSER_KINDS
+from specserve.modelbuild.default_model import SMOLLM2
+from specserve.modelbuild.from_gguf.checkpoint import GgufCheckpoint
+from specserve.modelbuild.fused_graph import _Graph
+from specserve.modelbuild.from_gguf.weights import ExternalData, GgufWeights
 
 from .conftest import CPU_CONFIG, served_every_mode
 
@@ -90,7 +90,7 @@ def test_the_q4_1_blocks_are_carried_over_exactly():
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
-    from modelbuild.default_model import cached_gguf
+    from specserve.modelbuild.default_model import cached_gguf
 
     checkpoint = GgufCheckpoint(cached_gguf())
     name = "model.layers.3.mlp.down_proj.weight"
@@ -197,17 +197,17 @@ def test_every_mode_gives_the_same_tokens_cold_warm_and_uncached(served, chats, 
 
 
 def test_the_convert_command_writes_a_bundle_from_a_gguf_that_the_engine_serves(tmp_path, default_engine):
-    """``python -m modelbuild.convert --gguf`` (no torch) on the default model's file, one
+    """``python -m specserve.modelbuild.convert --gguf`` (no torch) on the default model's file, one
     format throughout and no fast format: the engine serves the bundle it writes, with
     target-only's tokens, and refuses by name the modes it has no head for."""
     import subprocess
     import sys
 
-    from engine import Engine, EngineConfig
-    from modelbuild.default_model import cached_gguf
+    from specserve.engine import Engine, EngineConfig
+    from specserve.modelbuild.default_model import cached_gguf
 
     out = tmp_path / "bundle"
-    run = subprocess.run([sys.executable, "-m", "modelbuild.convert", "--gguf", str(cached_gguf()), "--out", str(out),
+    run = subprocess.run([sys.executable, "-m", "specserve.modelbuild.convert", "--gguf", str(cached_gguf()), "--out", str(out),
                           "--step-format", "none", "--no-fast"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert not (out / "target/model.inplace.step.onnx").exists() and not (out / "target/model.fast.onnx").exists()
@@ -224,7 +224,7 @@ def test_a_cpu_start_prints_no_error_or_warning_and_says_which_provider_serves()
     """The CLI on the default model, device auto, on this machine (no CUDA libraries): onnxruntime
     is never asked for a provider it cannot load, so it prints nothing; one INFO line names
     the provider that serves and why."""
-    run = subprocess.run([sys.executable, "-m", "engine", "generate", "--prompt", "The capital of France is",
+    run = subprocess.run([sys.executable, "-m", "specserve.engine", "generate", "--prompt", "The capital of France is",
                           "--max-new-tokens", "4", "--device", "auto"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr
@@ -232,6 +232,6 @@ def test_a_cpu_start_prints_no_error_or_warning_and_says_which_provider_serves()
     assert not [line for line in lines if "onnxruntime:" in line or "ERROR" in line or "WARNING" in line], lines
     choices = [line for line in run.stderr.splitlines() if "device=auto ->" in line]
     assert len(choices) == 1 and "INFO" in choices[0], run.stderr
-    from engine.model.providers import cuda_unavailable
+    from specserve.engine.model.providers import cuda_unavailable
     if cuda_unavailable() is not None:
         assert "CPUExecutionProvider (" in choices[0] and cuda_unavailable() in choices[0]

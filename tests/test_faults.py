@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from engine import GenerationOptions
+from specserve.engine import GenerationOptions
 
 from .conftest import local_metrics_url, running_server
 

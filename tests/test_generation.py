@@ -4,10 +4,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine import Engine, EngineConfig, GenerationOptions, KVCacheCapacityError, PromptTooLongError
-from engine.errors import InvalidRequestError
-from engine.kv.block_ledger import AdmissionError
-from engine.speculative.sequence import TokenEvent
+from specserve.engine import Engine, EngineConfig, GenerationOptions, KVCacheCapacityError, PromptTooLongError
+from specserve.engine.errors import InvalidRequestError
+from specserve.engine.kv.block_ledger import AdmissionError
+from specserve.engine.speculative.sequence import TokenEvent
 
 from .conftest import PINNED, TARGET_DIR
 
@@ -190,7 +190,7 @@ def test_sliding_window_generation_runs_within_the_window(heldout_prompts, make_
 def test_min_tokens_stop_strings_follow_vllm_v1_per_stop_string(target_engine):
     """A stop string counts only if it ends after the first min_tokens tokens' text, each
     by its own length (not the longest stop's): measured on a forced output."""
-    from engine.speculative.sequence import SequenceState
+    from specserve.engine.speculative.sequence import SequenceState
 
     tokenizer = target_engine.tokenizer
     pieces = tokenizer.encode(" Hello there, world")

@@ -12,10 +12,10 @@ import shutil
 import numpy as np
 import pytest
 
-from engine import Engine, GenerationOptions
-from engine.model.cached_decoder import CachedDecoder, FeedRequest
-from engine.model.in_place import CAPACITY_STEP, IN_PLACE_FILE, buffer_capacity
-from modelbuild.fused_graph import build_fused_decoder
+from specserve.engine import Engine, GenerationOptions
+from specserve.engine.model.cached_decoder import CachedDecoder, FeedRequest
+from specserve.engine.model.in_place import CAPACITY_STEP, IN_PLACE_FILE, buffer_capacity
+from specserve.modelbuild.fused_graph import build_fused_decoder
 from tests.conftest import CPU_CONFIG, DRAFT_DIR, MODELS, TARGET_DIR
 
 STANDARD = CPU_CONFIG.model_copy(update={"in_place_kv": False})
@@ -209,7 +209,7 @@ def test_in_place_threads_give_the_twin_its_own_pool_spinning_only_within_a_run(
 
 
 def test_a_workers_batch_1_calls_get_two_threads_unless_configured():
-    from deployments.workers import LONE_SEQUENCE_THREADS, worker_config
+    from specserve.deployments.workers import LONE_SEQUENCE_THREADS, worker_config
 
     assert worker_config({"intra_op_threads": 1}).in_place_threads == max(1, min(LONE_SEQUENCE_THREADS,
                                                                                os.cpu_count() or 1))

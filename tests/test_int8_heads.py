@@ -7,14 +7,14 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from engine import Engine, GenerationOptions, SpeculativeConfig
-from engine.model.heads import INT8_FILE, load_head
-from engine.speculative.stats import SpeculativeStats
+from specserve.engine import Engine, GenerationOptions, SpeculativeConfig
+from specserve.engine.model.heads import INT8_FILE, load_head
+from specserve.engine.speculative.stats import SpeculativeStats
 
 from .conftest import CPU_CONFIG, MODELS
 
 onnx = pytest.importorskip("onnx")
-from modelbuild.int8_graph import INT8_HEADS, build_int8_graph, write_int8_twin  # noqa: E402  (needs onnx)
+from specserve.modelbuild.int8_graph import INT8_HEADS, build_int8_graph, write_int8_twin  # noqa: E402  (needs onnx)
 
 
 @pytest.mark.parametrize("kind", INT8_HEADS)
@@ -139,7 +139,7 @@ def _stored_int8_graph(path, q: np.ndarray, scale: np.ndarray) -> None:
     """h = x @ Transpose(w), w dequantized from int8 blocks by ``int8_storage``'s nodes."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from modelbuild.int8_storage import SCALE_SUFFIX, dequant_nodes
+    from specserve.modelbuild.int8_storage import SCALE_SUFFIX, dequant_nodes
 
     n_out, n_in = q.shape
     dequant, shapes = dequant_nodes("w", n_out, n_in, "w32")
@@ -161,7 +161,7 @@ def test_a_weight_stored_as_int8_blocks_is_what_the_twin_computes_with_and_the_f
     import tempfile
     from pathlib import Path
 
-    from modelbuild.int8_storage import dequantize_blocks, quantize_blocks
+    from specserve.modelbuild.int8_storage import dequantize_blocks, quantize_blocks
 
     rng = np.random.default_rng(1)
     weight = (rng.standard_normal((64, 96)) * np.geomspace(1e-3, 10.0, 64)[:, None]).astype(np.float32)
@@ -183,9 +183,9 @@ def test_a_weight_stored_as_int8_blocks_is_what_the_twin_computes_with_and_the_f
 
 
 def test_the_default_models_int8_served_heads_store_their_matrices_as_int8_blocks():
-    from engine.model.default_model import DEFAULT_MODEL_DIR
-    from modelbuild.int8_storage import SCALE_SUFFIX
-    from modelbuild.weights_file import safetensors_dtypes
+    from specserve.engine.model.default_model import DEFAULT_MODEL_DIR
+    from specserve.modelbuild.int8_storage import SCALE_SUFFIX
+    from specserve.modelbuild.weights_file import safetensors_dtypes
 
     for kind in INT8_HEADS:
         head_dir = DEFAULT_MODEL_DIR / "heads" / kind

@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.kv.admission import Admission
-from engine.kv.block_ledger import AdmissionError, BlockLedger
-from engine.kv.paged_cache import (
+from specserve.engine.kv.admission import Admission
+from specserve.engine.kv.block_ledger import AdmissionError, BlockLedger
+from specserve.engine.kv.paged_cache import (
     KVCacheCapacityError,
     KVCacheError,
     LayerGeometry,

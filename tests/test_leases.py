@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from deployments.kv_manager import KVManager, owned_seq_id
+from specserve.deployments.kv_manager import KVManager, owned_seq_id
 
 
 def test_an_expired_lease_frees_its_owners_blocks_and_only_them():

@@ -15,10 +15,10 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from engine.model import providers
-from engine.errors import ModelLoadError
-from engine.model.cached_decoder import CachedDecoder
-from engine.model.onnx_model import OnnxDecoder
+from specserve.engine.model import providers
+from specserve.engine.errors import ModelLoadError
+from specserve.engine.model.cached_decoder import CachedDecoder
+from specserve.engine.model.onnx_model import OnnxDecoder
 
 from .conftest import CPU_CONFIG, DRAFT_DIR, TARGET_DIR
 

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from engine import EngineConfig, GenerationOptions
-from engine.speculative.sampling import (SequenceRules, apply_repetition_penalty, processed_logits, sample,
+from specserve.engine import EngineConfig, GenerationOptions
+from specserve.engine.speculative.sampling import (SequenceRules, apply_repetition_penalty, processed_logits, sample,
                                          token_distribution)
 
 

@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.kv.block_ledger import BlockLedger
-from engine.kv.paged_cache import KVCacheCapacityError, KVCacheError, LayerGeometry, PagedKVCache
-from engine.kv.prefix_cache import BlockPool, block_hashes, cacheable_blocks
-from engine.kv.replica_choice import IMBALANCE
+from specserve.engine.kv.block_ledger import BlockLedger
+from specserve.engine.kv.paged_cache import KVCacheCapacityError, KVCacheError, LayerGeometry, PagedKVCache
+from specserve.engine.kv.prefix_cache import BlockPool, block_hashes, cacheable_blocks
+from specserve.engine.kv.replica_choice import IMBALANCE
 
 GEOMETRY = (LayerGeometry(num_kv_heads=2, head_dim=4), LayerGeometry(num_kv_heads=1, head_dim=8))
 BLOCK = 4
@@ -328,7 +328,7 @@ def test_the_window_refuses_prefix_caching():
     plain.add_sequence("a")
     plain.append("a", *_kv_of([1] * 8))
     assert plain.publish("a", [1] * 8) == 0 and plain.block_names() == {}
-    from engine.config import EngineConfig
+    from specserve.engine.config import EngineConfig
     with pytest.raises(ValueError, match="prefix_caching needs a full-attention"):
         EngineConfig(sliding_window=64, prefix_caching=True)
     assert not EngineConfig(sliding_window=64).caches_prefixes and EngineConfig().caches_prefixes

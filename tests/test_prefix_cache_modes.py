@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine import Engine, GenerationOptions
+from specserve.engine import Engine, GenerationOptions
 
 from .conftest import CPU_CONFIG, MODELS, assert_everything_released
 

@@ -1,4 +1,4 @@
-"""Ports of the proposer unit tests of the Rust engine specserve reimplements (their
+"""Ports of the proposer unit tests of speculative.rs, the engine specserve reimplements (their
 names in the section comments), run against the bundled heads and real caches."""
 from __future__ import annotations
 
@@ -7,19 +7,19 @@ import logging
 import numpy as np
 import pytest
 
-from engine import GenerationOptions
-from engine.model.heads import MATMUL_GRAPH, LinearLmHead, load_head
-from engine.kv.paged_cache import LayerGeometry, PagedKVCache
-from engine.sched.metrics import RoundMetrics
-from engine.sched.messages import ProposeItem
-from engine.sched.proposer_worker import ProposerWorker
-from engine.speculative.proposers.base import Proposal, ProposerContext, StatelessProposer
-from engine.speculative.proposers.eagle3 import Eagle3Proposer
-from engine.speculative.proposers.mtp import MtpProposer
-from engine.speculative.proposers.prompt_lookup import PromptLookupProposer
-from engine.speculative.proposers.registry import LoadedProposer
-from engine.speculative.proposers.shared_kv import SharedKvProposer, shared_kv_slices
-from engine.speculative.reference import speculative_decode
+from specserve.engine import GenerationOptions
+from specserve.engine.model.heads import MATMUL_GRAPH, LinearLmHead, load_head
+from specserve.engine.kv.paged_cache import LayerGeometry, PagedKVCache
+from specserve.engine.sched.metrics import RoundMetrics
+from specserve.engine.sched.messages import ProposeItem
+from specserve.engine.sched.proposer_worker import ProposerWorker
+from specserve.engine.speculative.proposers.base import Proposal, ProposerContext, StatelessProposer
+from specserve.engine.speculative.proposers.eagle3 import Eagle3Proposer
+from specserve.engine.speculative.proposers.mtp import MtpProposer
+from specserve.engine.speculative.proposers.prompt_lookup import PromptLookupProposer
+from specserve.engine.speculative.proposers.registry import LoadedProposer
+from specserve.engine.speculative.proposers.shared_kv import SharedKvProposer, shared_kv_slices
+from specserve.engine.speculative.reference import speculative_decode
 
 from .conftest import MODELS
 
@@ -179,8 +179,8 @@ def test_a_batched_draft_model_gives_each_sequence_its_solo_drafts_in_one_run_pe
     feeding its whole context, a later round two tokens), then one run per position for
     the sequences still drafting. Greedy drafts are each sequence's solo ones; sampled
     drafts and their q are too, the request's generator drawing in the same order."""
-    from engine.model.cached_decoder import CachedDecoder
-    from engine.speculative.proposers.draft_model import DraftModelProposer
+    from specserve.engine.model.cached_decoder import CachedDecoder
+    from specserve.engine.speculative.proposers.draft_model import DraftModelProposer
 
     draft = CachedDecoder(MODELS / "draft", bundle_engine.target.config)
     prompts = [bundle_engine.target.encode_prompt(heldout_prompts[i]) for i in (3, 4, 5)]
@@ -233,7 +233,7 @@ def test_draft_alignment_runs_in_calls_of_similar_lengths():
     """Every fed row costs the draft's LM head and a call pads to its longest feed: one
     sequence catching up 32 tokens is aligned apart from fifteen aligning 2 (10.7 ms
     together against 4.2 ms apart, measured), while feeds of one size share one call."""
-    from engine.speculative.proposers.draft_model import ALIGN_CALL_ROWS, align_groups
+    from specserve.engine.speculative.proposers.draft_model import ALIGN_CALL_ROWS, align_groups
 
     short = {i: 2 for i in range(15)}
     assert align_groups(short) == [list(range(15))]
@@ -267,7 +267,7 @@ def test_eagle3_maps_the_reduced_draft_vocabulary_to_target_ids(bundle_engine, t
 
 
 def test_heads_reject_a_target_of_another_width(bundle_engine):
-    from engine.errors import ModelLoadError
+    from specserve.engine.errors import ModelLoadError
     with pytest.raises(ModelLoadError, match="embed_tokens.npy has shape"):
         load_head("mtp", MODELS / "heads/mtp", bundle_engine.target.decoder.vocab_size, 999, "cpu")
 
@@ -304,9 +304,9 @@ def test_round_loop_drives_any_proposer_and_reports_acceptance(bundle_engine, he
 
 
 def test_a_full_draft_pool_means_no_drafts_not_a_failed_request(bundle_engine, heldout_prompts):
-    from engine.config import EngineConfig
-    from engine.model.cached_decoder import CachedDecoder
-    from engine.speculative.proposers.draft_model import DraftModelProposer
+    from specserve.engine.config import EngineConfig
+    from specserve.engine.model.cached_decoder import CachedDecoder
+    from specserve.engine.speculative.proposers.draft_model import DraftModelProposer
 
     tiny_draft = CachedDecoder(MODELS / "draft", EngineConfig(device="cpu", kv_num_blocks=2, kv_block_size=16))
     target = bundle_engine.target
@@ -374,7 +374,7 @@ def test_an_mtp_head_with_a_draft_vocabulary_drafts_within_it_and_stays_lossless
     import json
     import shutil
 
-    from engine import Engine
+    from specserve.engine import Engine
 
     bundle = tmp_path / "bundle"
     shutil.copytree(MODELS, bundle, ignore=shutil.ignore_patterns("draft", "eagle3", "shared_kv"))
@@ -406,9 +406,9 @@ def test_a_head_with_a_draft_vocabulary_drafts_under_a_grammar_only_what_both_al
     import re
     import shutil
 
-    from engine.grammar.compiler import grammar_compiler
-    from engine.grammar.drafting import DraftGuide
-    from engine.grammar.spec import StructuredOutput
+    from specserve.engine.grammar.compiler import grammar_compiler
+    from specserve.engine.grammar.drafting import DraftGuide
+    from specserve.engine.grammar.spec import StructuredOutput
 
     target = bundle_engine.target
     vocab = target.decoder.vocab_size
@@ -452,9 +452,9 @@ def test_a_worker_drops_sequences_it_has_not_drafted_for_and_resyncs_them(heldou
     answers ``resync`` and is drafted for again from its whole context."""
     import time
 
-    from engine.config import EngineConfig
-    from engine.model.bundle import Bundle
-    from engine.speculative.proposers.registry import PROPOSER_KINDS
+    from specserve.engine.config import EngineConfig
+    from specserve.engine.model.bundle import Bundle
+    from specserve.engine.speculative.proposers.registry import PROPOSER_KINDS
 
     bundle = Bundle.load(MODELS)
     vocab = bundle.manifest.models["target"].architecture.vocab_size

@@ -23,8 +23,8 @@ def pending_server():
     from ray import serve
     from ray.serve.api import _run
 
-    from cluster.local import start_local_ray
-    from deployments.builder import build_app
+    from specserve.cluster.local import start_local_ray
+    from specserve.deployments.builder import build_app
 
     start_local_ray()
     port = free_port()

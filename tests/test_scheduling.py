@@ -11,15 +11,15 @@ import threading
 import numpy as np
 import pytest
 
-from engine import Engine, EngineConfig, GenerationOptions, SpeculativeConfig
-from engine.errors import InvalidRequestError, ModelLoadError
-from engine.kv.block_ledger import AdmissionError
-from engine.model.cached_decoder import FeedRequest
-from engine.sched.sequence_driver import WINDOW_REFUSAL, DriverFactory
-from engine.speculative.proposers.draft_model import DraftModelProposer
-from engine.speculative.proposers.eagle3 import Eagle3Proposer
-from engine.speculative.proposers.mtp import MtpProposer
-from engine.speculative.proposers.shared_kv import SharedKvProposer
+from specserve.engine import Engine, EngineConfig, GenerationOptions, SpeculativeConfig
+from specserve.engine.errors import InvalidRequestError, ModelLoadError
+from specserve.engine.kv.block_ledger import AdmissionError
+from specserve.engine.model.cached_decoder import FeedRequest
+from specserve.engine.sched.sequence_driver import WINDOW_REFUSAL, DriverFactory
+from specserve.engine.speculative.proposers.draft_model import DraftModelProposer
+from specserve.engine.speculative.proposers.eagle3 import Eagle3Proposer
+from specserve.engine.speculative.proposers.mtp import MtpProposer
+from specserve.engine.speculative.proposers.shared_kv import SharedKvProposer
 
 from .conftest import CPU_CONFIG, MODELS, PINNED, TARGET_DIR, assert_everything_released, generate_concurrently
 

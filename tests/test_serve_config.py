@@ -19,11 +19,11 @@ import openai
 import pytest
 import yaml
 
-from deployments.builder import deployed_modes
-from deployments.settings import ServeSettings
-from engine import GenerationOptions
-from engine.model.bundle import Bundle
-from engine.speculative.proposers.registry import PROPOSER_KINDS
+from specserve.deployments.builder import deployed_modes
+from specserve.deployments.settings import ServeSettings
+from specserve.engine import GenerationOptions
+from specserve.engine.model.bundle import Bundle
+from specserve.engine.speculative.proposers.registry import PROPOSER_KINDS
 
 from .conftest import free_port
 
@@ -49,7 +49,7 @@ def test_a_shipped_config_passes_serves_schema_and_names_only_deployments_the_bu
     config = CONFIGS[name]()
     ServeDeploySchema.model_validate(config)
     for app in config["applications"]:
-        assert app["import_path"] == "deployments.builder:build_app"
+        assert app["import_path"] == "specserve.deployments.builder:build_app"
         settings = ServeSettings.model_validate(app.get("args", {}))
         modes = deployed_modes(settings, Bundle.load(settings.bundle_dir()))
         made = {"Router", "TargetModel"} | {PROPOSER_KINDS[mode].deployment for mode in modes}

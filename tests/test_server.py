@@ -19,7 +19,7 @@ import numpy as np
 import openai
 import pytest
 
-from engine import GenerationOptions
+from specserve.engine import GenerationOptions
 
 from .conftest import local_metrics_url, running_server, stream_chat
 
@@ -729,7 +729,7 @@ def test_structured_output_through_the_server_is_the_engines_constrained_target_
                                                                                           heldout_prompts):
     """response_format json_schema and vLLM's regex, per mode, streamed and not: the
     in-process engine's constrained target-only tokens."""
-    from engine.grammar.spec import StructuredOutput
+    from specserve.engine.grammar.spec import StructuredOutput
 
     prompt = heldout_prompts[9]
     for body, spec in (({"response_format": {"type": "json_schema", "json_schema": {"name": "line", "strict": True,

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from engine import GenerationOptions, InvalidRequestError
-from engine.speculative.proposers.base import NO_NEEDS
-from engine.speculative.proposers.prompt_lookup import PromptLookupProposer
-from engine.speculative.proposers.registry import PROPOSER_KINDS
-from engine.speculative.reference import speculative_decode
-from engine.speculative.stats import SpeculativeStats
+from specserve.engine import GenerationOptions, InvalidRequestError
+from specserve.engine.speculative.proposers.base import NO_NEEDS
+from specserve.engine.speculative.proposers.prompt_lookup import PromptLookupProposer
+from specserve.engine.speculative.proposers.registry import PROPOSER_KINDS
+from specserve.engine.speculative.reference import speculative_decode
+from specserve.engine.speculative.stats import SpeculativeStats
 
 MODES = ["prompt_lookup", "suffix", "draft_model", "mtp", "eagle3", "shared_kv"]
 HEAD_MODES = ["mtp", "eagle3", "shared_kv"]

@@ -26,12 +26,12 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from tokenizers import Tokenizer, models
 
-import engine.speculative.rounds as rounds
-from engine import Engine, EngineConfig, GenerationOptions, SchedulerConfig, SpeculativeConfig
-from engine.grammar.spec import StructuredOutput
-from engine.model.manifest import BundleManifest
-from engine.speculative.sampling import sample, token_distribution
-from engine.speculative.verify import Verdict
+import specserve.engine.speculative.rounds as rounds
+from specserve.engine import Engine, EngineConfig, GenerationOptions, SchedulerConfig, SpeculativeConfig
+from specserve.engine.grammar.spec import StructuredOutput
+from specserve.engine.model.manifest import BundleManifest
+from specserve.engine.speculative.sampling import sample, token_distribution
+from specserve.engine.speculative.verify import Verdict
 
 VOCAB = 4
 NEW_TOKENS = 4

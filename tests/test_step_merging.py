@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from deployments.step_merging import StepMerger
+from specserve.deployments.step_merging import StepMerger
 
 
 @dataclass

@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from deployments.streaming import WriteBudget, cancel_when_dropped, token_writes
-from engine.speculative.sequence import TokenEvent
+from specserve.deployments.streaming import WriteBudget, cancel_when_dropped, token_writes
+from specserve.engine.speculative.sequence import TokenEvent
 
 
 async def _writes(rounds: list[int], interval: int) -> list[list[int]]:

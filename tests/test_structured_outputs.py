@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from engine import GenerationOptions, InvalidRequestError
-from engine.grammar.compiler import grammar_compiler
-from engine.grammar.spec import StructuredOutput
-from engine.grammar.state import GrammarError
-from engine.speculative.sampling import SequenceRules
-from engine.speculative.verify import verify
+from specserve.engine import GenerationOptions, InvalidRequestError
+from specserve.engine.grammar.compiler import grammar_compiler
+from specserve.engine.grammar.spec import StructuredOutput
+from specserve.engine.grammar.state import GrammarError
+from specserve.engine.speculative.sampling import SequenceRules
+from specserve.engine.speculative.verify import verify
 
 from .conftest import assert_everything_released
 from .test_speculative import reference_decode

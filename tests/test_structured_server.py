@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from engine.speculative.proposers.registry import PROPOSER_KINDS
+from specserve.engine.speculative.proposers.registry import PROPOSER_KINDS
 
 from .conftest import stream_chat
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine import GenerationOptions
-from engine.speculative.proposers.base import ProposerContext
-from engine.speculative.proposers.suffix import SuffixProposer
-from engine.speculative.suffix_index import SuffixCache, SuffixParams, TokenIndex
+from specserve.engine import GenerationOptions
+from specserve.engine.speculative.proposers.base import ProposerContext
+from specserve.engine.speculative.proposers.suffix import SuffixProposer
+from specserve.engine.speculative.suffix_index import SuffixCache, SuffixParams, TokenIndex
 
 from .conftest import assert_everything_released
 

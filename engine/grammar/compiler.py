@@ -17,10 +17,10 @@ import weakref
 from collections import OrderedDict
 from typing import Sequence
 
-from engine.errors import InvalidRequestError
-from engine.grammar.spec import StructuredOutput
-from engine.grammar.state import GrammarState
-from engine.model.tokenizer import TextTokenizer
+from specserve.engine.errors import InvalidRequestError
+from specserve.engine.grammar.spec import StructuredOutput
+from specserve.engine.grammar.state import GrammarState
+from specserve.engine.model.tokenizer import TextTokenizer
 
 CACHED_GRAMMARS = 128  # compiled matchers kept per model (a least-recently-used cache)
 

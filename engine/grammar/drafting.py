@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from engine.grammar.state import GrammarError, GrammarState
+from specserve.engine.grammar.state import GrammarError, GrammarState
 
 
 class DraftGuide:

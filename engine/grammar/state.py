@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from engine.errors import EngineError
+from specserve.engine.errors import EngineError
 
 
 class GrammarError(EngineError):

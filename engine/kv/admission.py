@@ -11,8 +11,8 @@ import asyncio
 import time
 from typing import Hashable, Sequence
 
-from engine.kv.block_ledger import AdmissionError, BlockLedger, Grant
-from engine.kv.replica_choice import ReplicaRouting
+from specserve.engine.kv.block_ledger import AdmissionError, BlockLedger, Grant
+from specserve.engine.kv.replica_choice import ReplicaRouting
 
 
 class Admission:

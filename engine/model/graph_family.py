@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from engine.errors import ModelLoadError
-from engine.model.in_place import IN_PLACE_FILE, STEP_FILE
+from specserve.engine.errors import ModelLoadError
+from specserve.engine.model.in_place import IN_PLACE_FILE, STEP_FILE
 
 TargetFormat = Literal["auto", "exact", "fast"]
 FAST_FILE = "model.fast.onnx"
@@ -56,6 +56,6 @@ def graph_family(model_dir: Path, wanted: TargetFormat, in_place: bool = True) -
         return FAST if in_place and has_fast_family(model_dir) else EXACT
     if wanted == "fast" and not has_fast_family(model_dir):
         raise ModelLoadError(f"{model_dir} has no fast format ({FAST_FILE} and {FAST_IN_PLACE_FILE}): a GGUF "
-                             f"converts into it (python -m modelbuild.convert --gguf); use target_format 'exact' "
+                             f"converts into it (python -m specserve.modelbuild.convert --gguf); use target_format 'exact' "
                              f"for this model")
     return FAST if wanted == "fast" else EXACT

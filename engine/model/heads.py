@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from engine.config import Device
-from engine.errors import ModelLoadError
-from engine.kv.paged_cache import LayerGeometry
-from engine.model.probe import probe_session
-from engine.model.providers import create_session, session_options
+from specserve.engine.config import Device
+from specserve.engine.errors import ModelLoadError
+from specserve.engine.kv.paged_cache import LayerGeometry
+from specserve.engine.model.probe import probe_session
+from specserve.engine.model.providers import create_session, session_options
 
 log = logging.getLogger("specserve.engine")
 INT8_FILE = "model.int8.onnx"  # a head's int8 twin, beside model.onnx (``modelbuild.int8_graph``)

@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from engine.model.onnx_model import _ORT_DTYPES, OnnxDecoder
-from engine.model.providers import session_options
+from specserve.engine.model.onnx_model import _ORT_DTYPES, OnnxDecoder
+from specserve.engine.model.providers import session_options
 
 IN_PLACE_FILE = "model.inplace.onnx"  # written beside model.onnx by modelbuild.fused_graph
 STEP_FILE = "model.inplace.step.onnx"  # optional: the twin of single-token calls (modelbuild.from_gguf)
@@ -140,7 +140,7 @@ class InPlaceDecoder:
         difference = twin.agreement()
         if difference > CHECK_TOLERANCE:
             log.warning("%s not used: its logits differ from %s's by %.2e (a stale twin? rebuild it with "
-                        "python -m modelbuild.fused_graph)", path, standard.onnx_path, difference)
+                        "python -m specserve.modelbuild.fused_graph)", path, standard.onnx_path, difference)
             return None
         if not batched:
             twin.add_step_twin(step_path or standard.model_dir / STEP_FILE, intra_op_threads, thread_spinning)

@@ -1,6 +1,6 @@
 """The bundle manifest: which file is which in ``models/``, validated on load.
 
-Written by ``python -m modelbuild`` and read by the engine, so a bundle that was edited
+Written by ``python -m specserve.modelbuild`` and read by the engine, so a bundle that was edited
 by hand or half rebuilt fails loudly with the field that is wrong.
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ class TrainingRecord(_Strict):
 
 
 class ConversionRecord(_Strict):
-    """Where a converted model came from (``python -m modelbuild.convert``), in place of
+    """Where a converted model came from (``python -m specserve.modelbuild.convert``), in place of
     a training record: the bundle's own models are trained here, a user's are converted."""
 
     source: str = Field(description="what it was converted from: a Hugging Face directory, or a GGUF and where it came from")

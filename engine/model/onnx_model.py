@@ -15,10 +15,10 @@ from typing import Sequence
 import numpy as np
 import onnxruntime as ort
 
-from engine.config import Device, SpinPolicy
-from engine.errors import ModelLoadError
-from engine.kv.paged_cache import LayerGeometry
-from engine.model.providers import create_session, session_options
+from specserve.engine.config import Device, SpinPolicy
+from specserve.engine.errors import ModelLoadError
+from specserve.engine.kv.paged_cache import LayerGeometry
+from specserve.engine.model.providers import create_session, session_options
 
 _ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16,
                "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.errors import EngineError
+from specserve.engine.errors import EngineError
 
 
 class ProbeFailedError(EngineError):

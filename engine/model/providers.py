@@ -19,8 +19,8 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from engine.config import Device, SpinPolicy
-from engine.errors import ModelLoadError
+from specserve.engine.config import Device, SpinPolicy
+from specserve.engine.errors import ModelLoadError
 
 log = logging.getLogger("specserve.engine")
 _logged: set[str] = set()

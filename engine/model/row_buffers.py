@@ -25,8 +25,8 @@ from typing import Hashable, Sequence
 import numpy as np
 import onnxruntime as ort
 
-from engine.kv.paged_cache import PagedKVCache
-from engine.model.in_place import InPlaceDecoder, KVBuffer, buffer_capacity
+from specserve.engine.kv.paged_cache import PagedKVCache
+from specserve.engine.model.in_place import InPlaceDecoder, KVBuffer, buffer_capacity
 
 KEPT_BUFFERS = 4  # one per lane (the server runs 2 by default) and then some
 

@@ -7,7 +7,7 @@ from typing import Sequence
 
 from tokenizers import Tokenizer
 
-from engine.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
+from specserve.engine.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 
 REPLACEMENT_CHAR = "\ufffd"
 

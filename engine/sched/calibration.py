@@ -11,8 +11,8 @@ import time
 
 import numpy as np
 
-from engine.model.cached_decoder import CachedDecoder, FeedRequest
-from engine.sched.cost_tables import DraftCostTable, VerifyCostTable
+from specserve.engine.model.cached_decoder import CachedDecoder, FeedRequest
+from specserve.engine.sched.cost_tables import DraftCostTable, VerifyCostTable
 
 CALIBRATION_BATCHES = (1, 4, 16, 32)
 CALIBRATION_ROWS = (1, 5)  # rows per sequence: a plain step, and a verify of 4 drafts
@@ -65,8 +65,8 @@ def measure_draft_costs(new_proposer, anchor, vocab: int, batch: int = 8, repeat
     """Time a proposer kind on synthetic contexts (random tokens, zero hidden states --
     the work a draft does does not depend on the values). A draft model is timed after
     its own prefill, aligning 2 new tokens per round as a real round does."""
-    from engine.options import GenerationOptions
-    from engine.speculative.rounds import proposer_context
+    from specserve.engine.options import GenerationOptions
+    from specserve.engine.speculative.rounds import proposer_context
 
     rng = np.random.default_rng(0)
     options = GenerationOptions()

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from engine.sched.acceptance import AcceptanceTracker
-from engine.sched.cost_models import DraftCostModel, VerifyCostModel
+from specserve.engine.sched.acceptance import AcceptanceTracker
+from specserve.engine.sched.cost_models import DraftCostModel, VerifyCostModel
 
 CATCH_UP_STEPS = 0.15    # a draft model's step-equivalents per token of catch-up until calls that carried
                          # catch-ups have priced it (``DraftCostModel.catch_up_token``): it feeds them in one

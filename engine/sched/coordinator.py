@@ -23,18 +23,18 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Hashable, Protocol, Sequence
 
-from engine.config import SchedulerConfig
-from engine.errors import EngineError
-from engine.kv.block_ledger import Grant
-from engine.sched.background import detached
-from engine.sched.call_clock import SerialCallClock
-from engine.sched.cost_tables import DraftCostTable, VerifyCostTable
-from engine.sched.draft_length import (DraftCosts, DraftLengthPlanner, DraftRequest, ProposerCall, RoundTime,
+from specserve.engine.config import SchedulerConfig
+from specserve.engine.errors import EngineError
+from specserve.engine.kv.block_ledger import Grant
+from specserve.engine.sched.background import detached
+from specserve.engine.sched.call_clock import SerialCallClock
+from specserve.engine.sched.cost_tables import DraftCostTable, VerifyCostTable
+from specserve.engine.sched.draft_length import (DraftCosts, DraftLengthPlanner, DraftRequest, ProposerCall, RoundTime,
                                       SequenceRetired, SequenceRound, TargetCall)
-from engine.sched.metrics import RoundMetrics
-from engine.sched.messages import PrefillItem, ProposeItem, ProposeResult, TargetResult, VerifyItem
-from engine.sched.sequence_driver import SequenceDriver, tokens_behind
-from engine.speculative.proposers.registry import HEAD_MODES
+from specserve.engine.sched.metrics import RoundMetrics
+from specserve.engine.sched.messages import PrefillItem, ProposeItem, ProposeResult, TargetResult, VerifyItem
+from specserve.engine.sched.sequence_driver import SequenceDriver, tokens_behind
+from specserve.engine.speculative.proposers.registry import HEAD_MODES
 
 log = logging.getLogger("specserve.coordinator")
 

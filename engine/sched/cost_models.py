@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Sequence
 
-from engine.sched.cost_tables import DraftCostTable, VerifyCostTable
-from engine.sched.verify_split import verify_groups
+from specserve.engine.sched.cost_tables import DraftCostTable, VerifyCostTable
+from specserve.engine.sched.verify_split import verify_groups
 
 
 def load_bucket(sequences: int) -> int:

@@ -38,10 +38,10 @@ from dataclasses import dataclass, field, replace
 from itertools import product
 from typing import Iterable, NamedTuple, Sequence, Union
 
-from engine.sched.acceptance import AcceptanceTracker, LookupTracker
-from engine.sched.call_pricing import CallPricing, DraftRequest
-from engine.sched.cost_models import DraftCostModel, VerifyCostModel
-from engine.sched.cost_tables import DraftCostTable, VerifyCostTable
+from specserve.engine.sched.acceptance import AcceptanceTracker, LookupTracker
+from specserve.engine.sched.call_pricing import CallPricing, DraftRequest
+from specserve.engine.sched.cost_models import DraftCostModel, VerifyCostModel
+from specserve.engine.sched.cost_tables import DraftCostTable, VerifyCostTable
 
 MIXED_PLAN_MARGIN = 0.05  # a plan between "no drafts" and "every maximum" must be predicted this much
                           # faster than the better of the two: below the cost model's error, a pinned

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import Hashable, Sequence
 
-from engine.errors import EngineError
-from engine.kv.admission import Admission
-from engine.kv.block_ledger import Grant
-from engine.sched.cost_tables import DraftCostTable, VerifyCostTable
-from engine.sched.messages import PrefillItem, ProposeItem, ProposeResult, TargetResult, VerifyItem
-from engine.sched.proposer_worker import ProposerWorker
-from engine.sched.target_worker import TargetWorker
+from specserve.engine.errors import EngineError
+from specserve.engine.kv.admission import Admission
+from specserve.engine.kv.block_ledger import Grant
+from specserve.engine.sched.cost_tables import DraftCostTable, VerifyCostTable
+from specserve.engine.sched.messages import PrefillItem, ProposeItem, ProposeResult, TargetResult, VerifyItem
+from specserve.engine.sched.proposer_worker import ProposerWorker
+from specserve.engine.sched.target_worker import TargetWorker
 
 LOCAL_REPLICA = "local"
 

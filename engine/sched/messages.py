@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
-from engine.options import GenerationOptions
-from engine.speculative.proposers.base import Needs
-from engine.speculative.rounds import RoundOutcome
-from engine.speculative.sampling import SequenceRules
+from specserve.engine.options import GenerationOptions
+from specserve.engine.speculative.proposers.base import Needs
+from specserve.engine.speculative.rounds import RoundOutcome
+from specserve.engine.speculative.sampling import SequenceRules
 
 
 # -- coordinator -> target worker, and back ----------------------------------------------

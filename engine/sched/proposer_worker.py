@@ -23,20 +23,20 @@ from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
-from engine.errors import EngineError
-from engine.grammar.compiler import GrammarCompiler
-from engine.grammar.drafting import DraftGuide
-from engine.grammar.state import GrammarState
-from engine.model.cached_decoder import CachedDecoder
-from engine.options import GenerationOptions
-from engine.sched.messages import ProposeItem, ProposeResult
-from engine.sched.metrics import RoundMetrics
-from engine.speculative.proposers.base import AcceptContext, Proposal, Proposer, ProposerContext
-from engine.sched.calibration import CALIBRATION_PAST, measure_draft_costs
-from engine.sched.cost_tables import DraftCostTable
-from engine.speculative.proposers.registry import PROPOSER_KINDS, LoadedProposer
-from engine.speculative.rounds import Anchor, proposer_context
-from engine.speculative.sampling import SequenceRules
+from specserve.engine.errors import EngineError
+from specserve.engine.grammar.compiler import GrammarCompiler
+from specserve.engine.grammar.drafting import DraftGuide
+from specserve.engine.grammar.state import GrammarState
+from specserve.engine.model.cached_decoder import CachedDecoder
+from specserve.engine.options import GenerationOptions
+from specserve.engine.sched.messages import ProposeItem, ProposeResult
+from specserve.engine.sched.metrics import RoundMetrics
+from specserve.engine.speculative.proposers.base import AcceptContext, Proposal, Proposer, ProposerContext
+from specserve.engine.sched.calibration import CALIBRATION_PAST, measure_draft_costs
+from specserve.engine.sched.cost_tables import DraftCostTable
+from specserve.engine.speculative.proposers.registry import PROPOSER_KINDS, LoadedProposer
+from specserve.engine.speculative.rounds import Anchor, proposer_context
+from specserve.engine.speculative.sampling import SequenceRules
 
 log = logging.getLogger("specserve.proposer")
 IDLE_TIMEOUT_S = 600.0  # a sequence not drafted for this long is dropped (its caller is gone)

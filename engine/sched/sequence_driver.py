@@ -14,18 +14,18 @@ from __future__ import annotations
 
 from typing import Any, Hashable, NamedTuple, Sequence
 
-from engine.config import AUTO_MODE_PREFERENCE, EngineConfig
-from engine.errors import InvalidRequestError, ModelLoadError
-from engine.grammar.compiler import grammar_compiler
-from engine.model.tokenizer import TextTokenizer, encode_prompt
-from engine.options import SPECULATIVE_MODES, GenerationOptions
-from engine.sched.messages import PrefillItem, ProposeItem, ProposeResult, VerifyItem
-from engine.speculative.proposers.base import NO_NEEDS, AcceptContext, Needs, Proposer
-from engine.speculative.proposers.registry import PROPOSER_KINDS
-from engine.speculative.rounds import (Anchor, RoundOutcome, commit_outcome, drafts_allowed, proposer_context,
+from specserve.engine.config import AUTO_MODE_PREFERENCE, EngineConfig
+from specserve.engine.errors import InvalidRequestError, ModelLoadError
+from specserve.engine.grammar.compiler import grammar_compiler
+from specserve.engine.model.tokenizer import TextTokenizer, encode_prompt
+from specserve.engine.options import SPECULATIVE_MODES, GenerationOptions
+from specserve.engine.sched.messages import PrefillItem, ProposeItem, ProposeResult, VerifyItem
+from specserve.engine.speculative.proposers.base import NO_NEEDS, AcceptContext, Needs, Proposer
+from specserve.engine.speculative.proposers.registry import PROPOSER_KINDS
+from specserve.engine.speculative.rounds import (Anchor, RoundOutcome, commit_outcome, drafts_allowed, proposer_context,
                                        record_round, tokens_left)
-from engine.speculative.sequence import SequenceState, TokenCallback
-from engine.speculative.stats import SpeculativeStats
+from specserve.engine.speculative.sequence import SequenceState, TokenCallback
+from specserve.engine.speculative.stats import SpeculativeStats
 
 
 class VerifiedRound(NamedTuple):

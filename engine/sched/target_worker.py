@@ -28,19 +28,19 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from engine.model.cached_decoder import CachedDecoder, FeedRequest
-from engine.sched.calibration import measure_verify_costs
-from engine.sched.cost_tables import VerifyCostTable
-from engine.sched.verify_split import verify_groups
-from engine.errors import EngineError
-from engine.grammar.compiler import GrammarCompiler, grammar_compiler
-from engine.grammar.state import GrammarState
-from engine.options import GenerationOptions
-from engine.speculative.proposers.base import Needs
-from engine.speculative.proposers.shared_kv import shared_kv_slices
-from engine.speculative.rounds import Anchor, RoundOutcome, prompt_logprobs, verify_on_target
-from engine.speculative.sampling import SequenceRules
-from engine.sched.messages import PrefillItem, TargetResult, VerifyItem
+from specserve.engine.model.cached_decoder import CachedDecoder, FeedRequest
+from specserve.engine.sched.calibration import measure_verify_costs
+from specserve.engine.sched.cost_tables import VerifyCostTable
+from specserve.engine.sched.verify_split import verify_groups
+from specserve.engine.errors import EngineError
+from specserve.engine.grammar.compiler import GrammarCompiler, grammar_compiler
+from specserve.engine.grammar.state import GrammarState
+from specserve.engine.options import GenerationOptions
+from specserve.engine.speculative.proposers.base import Needs
+from specserve.engine.speculative.proposers.shared_kv import shared_kv_slices
+from specserve.engine.speculative.rounds import Anchor, RoundOutcome, prompt_logprobs, verify_on_target
+from specserve.engine.speculative.sampling import SequenceRules
+from specserve.engine.sched.messages import PrefillItem, TargetResult, VerifyItem
 
 log = logging.getLogger("specserve.target")
 

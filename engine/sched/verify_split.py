@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from engine.sched.cost_tables import VerifyCostTable
+from specserve.engine.sched.cost_tables import VerifyCostTable
 
 SPLIT_MARGIN = 0.4  # a split must be predicted this much cheaper: it moves the drafting sequences'
                     # pasts into a batch layout of their own and back, copies the table does not time

@@ -26,16 +26,16 @@ import itertools
 
 import numpy as np
 
-from engine.grammar.compiler import grammar_compiler
-from engine.grammar.drafting import DraftGuide
-from engine.model.cached_decoder import CachedDecoder
-from engine.options import GenerationOptions
-from engine.speculative.proposers.base import NO_NEEDS, AcceptContext, Needs, Proposer
-from engine.speculative.proposers.shared_kv import shared_kv_slices
-from engine.speculative.rounds import (Anchor, commit_outcome, drafts_allowed, proposer_context, record_round,
+from specserve.engine.grammar.compiler import grammar_compiler
+from specserve.engine.grammar.drafting import DraftGuide
+from specserve.engine.model.cached_decoder import CachedDecoder
+from specserve.engine.options import GenerationOptions
+from specserve.engine.speculative.proposers.base import NO_NEEDS, AcceptContext, Needs, Proposer
+from specserve.engine.speculative.proposers.shared_kv import shared_kv_slices
+from specserve.engine.speculative.rounds import (Anchor, commit_outcome, drafts_allowed, proposer_context, record_round,
                                        verify_on_target)
-from engine.speculative.sequence import SequenceState
-from engine.speculative.stats import SpeculativeStats
+from specserve.engine.speculative.sequence import SequenceState
+from specserve.engine.speculative.stats import SpeculativeStats
 
 _ids = itertools.count()
 

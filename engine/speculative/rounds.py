@@ -21,16 +21,16 @@ from typing import Hashable
 
 import numpy as np
 
-from engine.errors import EngineError
-from engine.grammar.drafting import DraftGuide
-from engine.grammar.state import GrammarState
-from engine.model.cached_decoder import CachedDecoder, SequenceOutput
-from engine.options import GenerationOptions
-from engine.speculative.proposers.base import Needs, ProposerContext, SharedKvSlice
-from engine.speculative.sampling import SequenceRules, TokenLogprob, token_logprob, token_logprobs
-from engine.speculative.sequence import SequenceState
-from engine.speculative.stats import SpeculativeStats
-from engine.speculative.verify import verify
+from specserve.engine.errors import EngineError
+from specserve.engine.grammar.drafting import DraftGuide
+from specserve.engine.grammar.state import GrammarState
+from specserve.engine.model.cached_decoder import CachedDecoder, SequenceOutput
+from specserve.engine.options import GenerationOptions
+from specserve.engine.speculative.proposers.base import Needs, ProposerContext, SharedKvSlice
+from specserve.engine.speculative.sampling import SequenceRules, TokenLogprob, token_logprob, token_logprobs
+from specserve.engine.speculative.sequence import SequenceState
+from specserve.engine.speculative.stats import SpeculativeStats
+from specserve.engine.speculative.verify import verify
 
 
 class NoProgressError(EngineError):

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
-from engine.options import GenerationOptions
+from specserve.engine.options import GenerationOptions
 
 
 def apply_repetition_penalty(logits: np.ndarray, context: Sequence[int], penalty: float) -> np.ndarray:

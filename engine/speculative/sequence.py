@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
-from engine.options import GenerationOptions
-from engine.speculative.sampling import SequenceRules, TokenLogprob
-from engine.model.tokenizer import TextTokenizer
+from specserve.engine.options import GenerationOptions
+from specserve.engine.speculative.sampling import SequenceRules, TokenLogprob
+from specserve.engine.model.tokenizer import TextTokenizer
 
 FinishReason = Literal["stop", "length"]
 

@@ -17,9 +17,9 @@ from typing import Sequence
 
 import numpy as np
 
-from engine.grammar.state import GrammarState
-from engine.options import GenerationOptions
-from engine.speculative.sampling import SequenceRules, processed_logits, sample, token_distribution
+from specserve.engine.grammar.state import GrammarState
+from specserve.engine.options import GenerationOptions
+from specserve.engine.speculative.sampling import SequenceRules, processed_logits, sample, token_distribution
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Hugging Face checkpoints or a Llama GGUF -> a specserve bundle (``manifest.json`` + ONNX graphs):
 
-    python -m modelbuild.convert --target HF_DIR --out BUNDLE \\
+    python -m specserve.modelbuild.convert --target HF_DIR --out BUNDLE \\
         [--eagle3 DIR] [--mtp DIR] [--assistant DIR] [--draft HF_DIR] [--aux-layers 2,16,29]
-    python -m modelbuild.convert --gguf FILE --out BUNDLE [--format fp32] [--step-format q4_1]
+    python -m specserve.modelbuild.convert --gguf FILE --out BUNDLE [--format fp32] [--step-format q4_1]
 
 A GGUF converts without torch (``modelbuild.from_gguf``: numpy, gguf, onnx), in
 specserve's own ``.venv``; the Hugging Face path needs the ``convert`` extra.
@@ -10,7 +10,7 @@ specserve's own ``.venv``; the Hugging Face path needs the ``convert`` extra.
 Runs in ``.venv-convert`` (``bash scripts/install_convert.sh``) or wherever the
 ``convert`` extra is installed: mobius-onnx needs torch (install ``torch==2.13.0``, the
 CPU build, first), so it is never a runtime dependency.
-Then ``python -m engine generate --model BUNDLE --speculative eagle3 ...`` runs it
+Then ``python -m specserve.engine generate --model BUNDLE --speculative eagle3 ...`` runs it
 in-process and ``bash scripts/quickstart.sh --model-dir BUNDLE`` serves it (or set
 ``model_dir`` in ``serve_config.yaml``, with ``load:`` naming only the kinds the bundle
 has, and ``serve run serve_config.yaml``).
@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from engine.model.manifest import ArrayEntry, BundleManifest, ConversionRecord, HeadEntry, HiddenOutputs, ModelEntry
+from specserve.engine.model.manifest import ArrayEntry, BundleManifest, ConversionRecord, HeadEntry, HiddenOutputs, ModelEntry
 
 from .eagle3 import Eagle3Checkpoint, convert_eagle3
 from .target import (FINAL_HIDDEN, ConvertedTarget, aux_output_name, convert_target, default_aux_layers,
@@ -72,7 +72,7 @@ def _model_entry(role: str, directory: str, target: ConvertedTarget, source: Pat
 
 def _eos(target_dir: Path) -> tuple[str, int]:
     """The EOS token by name and id, from the tokenizer's own files."""
-    from engine.model.tokenizer import TextTokenizer
+    from specserve.engine.model.tokenizer import TextTokenizer
 
     tokenizer = TextTokenizer(target_dir)
     config = json.loads((target_dir / "config.json").read_text())

@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from engine.model.manifest import Architecture
+from specserve.engine.model.manifest import Architecture
 
 from ..weights_file import aux_output_name
 

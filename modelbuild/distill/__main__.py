@@ -1,6 +1,6 @@
 """Every head of the default model rebuilt from its GGUF, in one command:
 
-    .venv-convert/bin/python -m modelbuild.distill [--minutes eagle3=78 mtp=20 ...] [--train-answers 1500]
+    .venv-convert/bin/python -m specserve.modelbuild.distill [--minutes eagle3=78 mtp=20 ...] [--train-answers 1500]
 
 1. the target converted from the package index's GGUF (``modelbuild.default_model``);
 2. its own answers to the chat prompts (``generate``);
@@ -27,7 +27,7 @@ LANES = (("eagle3",), ("mtp", "shared_kv", "draft_model"))
 
 
 def training_command(kind: str, minutes: float, bundle: str) -> list[str]:
-    step = ["modelbuild.distill.draft_model"] if kind == "draft_model" else ["modelbuild.distill.train", kind]
+    step = ["specserve.modelbuild.distill.draft_model"] if kind == "draft_model" else ["specserve.modelbuild.distill.train", kind]
     return [sys.executable, "-m", *step, "--threads", "1", "--minutes", str(minutes), "--bundle", bundle,
             "--export", bundle]
 

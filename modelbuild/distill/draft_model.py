@@ -1,6 +1,6 @@
 """Step 3 (draft model): a small Llama sharing the target's tokenizer, distilled from it.
 
-    .venv-convert/bin/python -m modelbuild.distill.draft_model [--layers 2] [--minutes 80] [--export BUNDLE]
+    .venv-convert/bin/python -m specserve.modelbuild.distill.draft_model [--layers 2] [--minutes 80] [--export BUNDLE]
 
 Its embedding table is the target's, tied and frozen: 49152 x 576 weights that dominate a
 small model's size are not trained and not committed (the install step takes them from
@@ -182,7 +182,7 @@ def export_draft(model: DraftLM, shape: LlamaShape, draft_ids: np.ndarray, bundl
                  args: argparse.Namespace) -> None:
     """``bundle/draft``: the trained layers (float16), config, ``d2t.npy``, and the manifest's
     entry; the graphs are written at install (``modelbuild.from_gguf.draft``)."""
-    from engine.model.manifest import BundleManifest, HiddenOutputs, ModelEntry, TrainingRecord
+    from specserve.engine.model.manifest import BundleManifest, HiddenOutputs, ModelEntry, TrainingRecord
 
     from ..convert.target import architecture_of
     from ..from_gguf.draft import DRAFT_WEIGHTS, write_draft_graphs

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.model.manifest import BundleManifest, HeadEntry, TrainingRecord
+from specserve.engine.model.manifest import BundleManifest, HeadEntry, TrainingRecord
 
 from ..export import WEIGHTS_FILE, save_checkpoint
 from ..head_stage import _check_export

@@ -2,7 +2,7 @@
 graph (the engine's ``OnnxDecoder`` on ``model.onnx``) and stored in float16 for the head
 trainers (``train.py``), which then never run the target.
 
-    .venv/bin/python -m modelbuild.distill.extract [--bundle DIR] [--data .cache/distill]
+    .venv/bin/python -m specserve.modelbuild.distill.extract [--bundle DIR] [--data .cache/distill]
 
 Per split, ``features/<split>/`` holds flat arrays over every stored position (memory-
 mapped by the trainers) and ``index.json`` (each answer's first row, length and prompt
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.model.bundle import Bundle
-from engine.model.default_model import DEFAULT_MODEL_DIR
-from engine.model.onnx_model import OnnxDecoder
+from specserve.engine.model.bundle import Bundle
+from specserve.engine.model.default_model import DEFAULT_MODEL_DIR
+from specserve.engine.model.onnx_model import OnnxDecoder
 
 from .generate import DEFAULT_OUT
 

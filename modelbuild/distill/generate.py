@@ -2,7 +2,7 @@
 prompts of ``prompts.py`` (self-distillation: heads learn the target's distribution,
 which is what acceptance measures).
 
-    .venv/bin/python -m modelbuild.distill.generate [--bundle DIR] [--out .cache/distill] [--sampled 0.5] [--limit N]
+    .venv/bin/python -m specserve.modelbuild.distill.generate [--bundle DIR] [--out .cache/distill] [--sampled 0.5] [--limit N]
 
 Every prompt gets a greedy answer; a fraction of the training prompts also a sampled one
 (temperature 0.8, seeded by the prompt), so the heads see the distribution's other
@@ -20,12 +20,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from engine import Engine, EngineConfig, GenerationOptions, SchedulerConfig, SpeculativeConfig
-from engine.model.default_model import DEFAULT_MODEL_DIR, PROJECT_ROOT
+from specserve.engine import Engine, EngineConfig, GenerationOptions, SchedulerConfig, SpeculativeConfig
+from specserve.engine.model.default_model import CACHE_DIR, DEFAULT_MODEL_DIR
 
 from .prompts import ChatPrompt, build_prompts
 
-DEFAULT_OUT = PROJECT_ROOT / ".cache" / "distill"
+DEFAULT_OUT = CACHE_DIR / "distill"
 SAMPLED_TEMPERATURE = 0.8
 
 

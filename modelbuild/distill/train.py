@@ -5,7 +5,7 @@ state at the anchor, each later step the head's own output state), and every ste
 taught the target's next-token distribution (its top 16, renormalised over the draft
 vocabulary: soft cross-entropy, i.e. distillation).
 
-    .venv-convert/bin/python -m modelbuild.distill.train {eagle3,mtp,shared_kv} [--minutes 80] [--steps 6] [--export BUNDLE]
+    .venv-convert/bin/python -m specserve.modelbuild.distill.train {eagle3,mtp,shared_kv} [--minutes 80] [--steps 6] [--export BUNDLE]
 
 - ``eagle3``: target low|mid|high states fused on every step, the final state recycled
   first, logits over a reduced draft vocabulary of the 8192 ids the answers use most (``d2t``).

@@ -31,13 +31,13 @@ from typing import Callable
 import numpy as np
 import onnxruntime as ort
 
-from engine.model.manifest import (MANIFEST_NAME, ArrayEntry, BundleManifest, ConversionRecord, HiddenOutputs,
+from specserve.engine.model.manifest import (MANIFEST_NAME, ArrayEntry, BundleManifest, ConversionRecord, HiddenOutputs,
                                    ModelEntry)
 
 from ..convert.target import architecture_of, default_aux_layers
-from engine.model.in_place import STEP_FILE
+from specserve.engine.model.in_place import STEP_FILE
 
-from engine.model.graph_family import FAST_FILE, FAST_IN_PLACE_FILE
+from specserve.engine.model.graph_family import FAST_FILE, FAST_IN_PLACE_FILE
 
 from ..fused_graph import IN_PLACE_FILE, build_fused_decoder, in_place_parity
 from ..invariant_graph import build_invariant_decoder

@@ -1,5 +1,5 @@
 """Write tiny random checkpoints in every published layout and convert them into two
-bundles, the way a user would (``python -m modelbuild.convert``):
+bundles, the way a user would (``python -m specserve.modelbuild.convert``):
 
 - ``OUT/full``: the tiny Llama target + EAGLE-3 (SafeAILab layout) + Qwen3.5 MTP + Gemma-4
   assistant;
@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from modelbuild.convert.__main__ import main as convert_main
+from specserve.modelbuild.convert.__main__ import main as convert_main
 
 from .tiny_eagle3 import write_tiny_eagle3
 from .tiny_gemma4_assistant import write_tiny_gemma4_assistant

@@ -1,5 +1,5 @@
 """Hugging Face checkpoints in every published layout, converted by
-``python -m modelbuild.convert`` and served by the engine, checked against transformers
+``python -m specserve.modelbuild.convert`` and served by the engine, checked against transformers
 and against independent torch forwards of each head's published semantics.
 
 Runs in the convert venv (``bash scripts/test_convert.sh``)."""
@@ -9,14 +9,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine import Engine, EngineConfig, GenerationOptions, SpeculativeConfig
-from engine.model.bundle import Bundle
-from engine.model.heads import load_head
-from engine.model.onnx_model import OnnxDecoder
-from engine.speculative.proposers.base import ProposerContext, SharedKvSlice
-from engine.speculative.proposers.eagle3 import Eagle3Proposer
-from engine.speculative.proposers.mtp import MtpProposer
-from engine.speculative.proposers.shared_kv import SharedKvProposer
+from specserve.engine import Engine, EngineConfig, GenerationOptions, SpeculativeConfig
+from specserve.engine.model.bundle import Bundle
+from specserve.engine.model.heads import load_head
+from specserve.engine.model.onnx_model import OnnxDecoder
+from specserve.engine.speculative.proposers.base import ProposerContext, SharedKvSlice
+from specserve.engine.speculative.proposers.eagle3 import Eagle3Proposer
+from specserve.engine.speculative.proposers.mtp import MtpProposer
+from specserve.engine.speculative.proposers.shared_kv import SharedKvProposer
 
 from .build_tiny_bundles import SPECULATORS_AUX
 from .tiny_eagle3 import eagle3_reference_chain
@@ -185,7 +185,7 @@ def test_the_manifest_records_where_each_model_came_from(tiny):
 
 
 def test_an_aux_layer_0_is_refused_with_the_reason(tiny, tmp_path):
-    from modelbuild.convert.__main__ import main
+    from specserve.modelbuild.convert.__main__ import main
 
     with pytest.raises(ValueError, match="entering that decoder layer"):
         main(["--target", str(tiny.target), "--out", str(tmp_path / "b"), "--eagle3",
@@ -196,7 +196,7 @@ def test_an_aux_layer_0_is_refused_with_the_reason(tiny, tmp_path):
 def test_conversion_reports_each_stage_on_stderr_and_the_result_on_stdout(tiny, tmp_path, capsys):
     import json
 
-    from modelbuild.convert.__main__ import main
+    from specserve.modelbuild.convert.__main__ import main
 
     main(["--target", str(tiny.target), "--out", str(tmp_path / "b"), "--eagle3", str(tiny.head("eagle3_safeailab"))])
     out, err = capsys.readouterr()

@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import Engine, EngineConfig, GenerationOptions, SpeculativeConfig
-from engine.model.default_model import DEFAULT_MODEL_DIR
-from engine.model.in_place import IN_PLACE_FILE, STEP_FILE
-from engine.model.tokenizer import TextTokenizer
-from modelbuild.default_model import cached_gguf
+from specserve.engine import Engine, EngineConfig, GenerationOptions, SpeculativeConfig
+from specserve.engine.model.default_model import DEFAULT_MODEL_DIR
+from specserve.engine.model.in_place import IN_PLACE_FILE, STEP_FILE
+from specserve.engine.model.tokenizer import TextTokenizer
+from specserve.modelbuild.default_model import cached_gguf
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGET = DEFAULT_MODEL_DIR / "target"
@@ -45,7 +45,7 @@ def transformers_model():
 @pytest.fixture(scope="module")
 def chat_prompts() -> list[list[int]]:
     tokenizer = TextTokenizer(TARGET)
-    from engine.model.chat import ChatTemplate
+    from specserve.engine.model.chat import ChatTemplate
 
     template = ChatTemplate.from_model_dir(TARGET)
     prompts = json.loads((ROOT / "tests/data/heldout_chat_prompts.json").read_text())
@@ -58,13 +58,13 @@ def _ort_logits(graph: str, ids: list[int]) -> np.ndarray:
     runs it, the step twin fed its single tokens after the standard twin's prefill."""
     import onnxruntime as ort
 
-    from engine.model.onnx_model import OnnxDecoder
+    from specserve.engine.model.onnx_model import OnnxDecoder
 
     decoder = OnnxDecoder(TARGET, "cpu")
     if graph == "model.onnx":
         return decoder.forward(np.array([ids]), np.ones((1, len(ids)), np.int64), np.arange(len(ids))[None],
                                decoder.empty_past()).logits[0]
-    from engine.model.in_place import InPlaceDecoder
+    from specserve.engine.model.in_place import InPlaceDecoder
 
     twin = InPlaceDecoder(decoder, TARGET / IN_PLACE_FILE, 2, False)
     if graph == STEP_FILE:

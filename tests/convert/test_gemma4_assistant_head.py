@@ -9,7 +9,7 @@ import pytest
 
 import onnxruntime as ort
 
-from modelbuild.convert.gemma4_assistant import GROUPS, bind_groups, build_gemma4_assistant
+from specserve.modelbuild.convert.gemma4_assistant import GROUPS, bind_groups, build_gemma4_assistant
 from tests.convert.tiny_gemma4_assistant import (
     gemma4_assistant_reference,
     write_tiny_gemma4_assistant,

@@ -10,7 +10,7 @@ import sys
 import onnxruntime as ort
 import pytest
 
-from engine import Engine, GenerationOptions
+from specserve.engine import Engine, GenerationOptions
 
 from .test_convert import CPU, PROMPT
 from .tiny_llama import transformers_greedy

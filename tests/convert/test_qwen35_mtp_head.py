@@ -15,7 +15,7 @@ import pytest
 import onnx
 import onnxruntime as ort
 
-from modelbuild.convert.qwen35_mtp import CONTRACT_INPUTS, CONTRACT_OUTPUTS, SOURCE_FORMATS, build_qwen35_mtp
+from specserve.modelbuild.convert.qwen35_mtp import CONTRACT_INPUTS, CONTRACT_OUTPUTS, SOURCE_FORMATS, build_qwen35_mtp
 from tests.convert.tiny_qwen35_mtp import (qwen3_next_mtp_reference, qwen35_moe_mtp_reference, qwen35_mtp_reference,
                                            write_tiny_qwen3_next_mtp, write_tiny_qwen35_moe_mtp,
                                            write_tiny_qwen35_mtp)

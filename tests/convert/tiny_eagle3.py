@@ -15,7 +15,7 @@ Layouts (exact key names and configs):
 The reference is written from the published semantics (vLLM's ``llama_eagle3``), not
 from mobius: step 0 feeds ``fc(low|mid|high)``, later steps feed the previous step's
 pre-norm output; the draft layer attends over its own chain only (a fresh pass per
-round, as the Rust engine's proposer does).
+round, as the proposer of speculative.rs does).
 """
 from __future__ import annotations
 

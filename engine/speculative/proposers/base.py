@@ -24,9 +24,9 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from engine.grammar.drafting import DraftGuide
-from engine.options import GenerationOptions
-from engine.speculative.sampling import SequenceRules
+from specserve.engine.grammar.drafting import DraftGuide
+from specserve.engine.options import GenerationOptions
+from specserve.engine.speculative.sampling import SequenceRules
 
 
 @dataclass(frozen=True)

@@ -29,14 +29,14 @@ from typing import Sequence
 
 import numpy as np
 
-from engine.config import EngineConfig
-from engine.errors import ModelLoadError
-from engine.kv.paged_cache import KVCacheCapacityError
-from engine.model.bundle import Bundle
-from engine.model.cached_decoder import CachedDecoder, FeedRequest
-from engine.speculative.proposers.base import AcceptContext, Proposal, ProposerContext
-from engine.speculative.proposers.kind import LoadedProposer, ProposerKind
-from engine.speculative.sampling import processed_logits, sample, token_distribution
+from specserve.engine.config import EngineConfig
+from specserve.engine.errors import ModelLoadError
+from specserve.engine.kv.paged_cache import KVCacheCapacityError
+from specserve.engine.model.bundle import Bundle
+from specserve.engine.model.cached_decoder import CachedDecoder, FeedRequest
+from specserve.engine.speculative.proposers.base import AcceptContext, Proposal, ProposerContext
+from specserve.engine.speculative.proposers.kind import LoadedProposer, ProposerKind
+from specserve.engine.speculative.sampling import processed_logits, sample, token_distribution
 
 _sequence_ids = itertools.count()
 

@@ -17,13 +17,13 @@ from typing import Sequence
 
 import numpy as np
 
-from engine.errors import InvalidRequestError, ModelLoadError
-from engine.grammar.drafting import guided_choices
-from engine.model.bundle import Bundle
-from engine.model.heads import HeadModel
-from engine.speculative.proposers.base import Needs, Proposal, ProposerContext, StatelessProposer
-from engine.speculative.proposers.kind import HeadKind, LoadedProposer
-from engine.speculative.rounds import Anchor
+from specserve.engine.errors import InvalidRequestError, ModelLoadError
+from specserve.engine.grammar.drafting import guided_choices
+from specserve.engine.model.bundle import Bundle
+from specserve.engine.model.heads import HeadModel
+from specserve.engine.speculative.proposers.base import Needs, Proposal, ProposerContext, StatelessProposer
+from specserve.engine.speculative.proposers.kind import HeadKind, LoadedProposer
+from specserve.engine.speculative.rounds import Anchor
 
 
 class Eagle3Proposer(StatelessProposer):

@@ -13,13 +13,13 @@ from typing import Callable, ClassVar
 
 import numpy as np
 
-from engine.config import EngineConfig, SpeculativeConfig
-from engine.errors import ModelLoadError
-from engine.model.bundle import Bundle
-from engine.model.cached_decoder import CachedDecoder
-from engine.model.heads import HeadModel, load_head
-from engine.speculative.proposers.base import NO_NEEDS, Needs, Proposer
-from engine.speculative.rounds import Anchor
+from specserve.engine.config import EngineConfig, SpeculativeConfig
+from specserve.engine.errors import ModelLoadError
+from specserve.engine.model.bundle import Bundle
+from specserve.engine.model.cached_decoder import CachedDecoder
+from specserve.engine.model.heads import HeadModel, load_head
+from specserve.engine.speculative.proposers.base import NO_NEEDS, Needs, Proposer
+from specserve.engine.speculative.rounds import Anchor
 
 
 @dataclass

@@ -14,11 +14,11 @@ from typing import Sequence
 
 import numpy as np
 
-from engine.errors import InvalidRequestError, ModelLoadError
-from engine.grammar.drafting import guided_choices
-from engine.model.heads import HeadModel
-from engine.speculative.proposers.base import Proposal, ProposerContext, StatelessProposer
-from engine.speculative.proposers.kind import HeadKind
+from specserve.engine.errors import InvalidRequestError, ModelLoadError
+from specserve.engine.grammar.drafting import guided_choices
+from specserve.engine.model.heads import HeadModel
+from specserve.engine.speculative.proposers.base import Proposal, ProposerContext, StatelessProposer
+from specserve.engine.speculative.proposers.kind import HeadKind
 
 
 class MtpProposer(StatelessProposer):

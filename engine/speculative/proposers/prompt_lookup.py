@@ -1,9 +1,9 @@
 """Model-free prompt lookup (n-gram copy), behaving as ``NgramProposer`` in ``speculative.rs``."""
 from __future__ import annotations
 
-from engine.config import SpeculativeConfig
-from engine.speculative.proposers.base import Proposal, Proposer, ProposerContext, StatelessProposer
-from engine.speculative.proposers.kind import ProposerKind
+from specserve.engine.config import SpeculativeConfig
+from specserve.engine.speculative.proposers.base import Proposal, Proposer, ProposerContext, StatelessProposer
+from specserve.engine.speculative.proposers.kind import ProposerKind
 
 
 class PromptLookupProposer(StatelessProposer):

@@ -9,16 +9,16 @@ so adding a kind is its class beside its proposer and one entry here.
 """
 from __future__ import annotations
 
-from engine.config import EngineConfig
-from engine.errors import ModelLoadError
-from engine.model.bundle import Bundle
-from engine.speculative.proposers.draft_model import DraftModelKind
-from engine.speculative.proposers.eagle3 import Eagle3Kind
-from engine.speculative.proposers.kind import HeadKind, LoadedProposer, ProposerKind
-from engine.speculative.proposers.mtp import MtpKind
-from engine.speculative.proposers.prompt_lookup import PromptLookupKind
-from engine.speculative.proposers.shared_kv import SharedKvKind
-from engine.speculative.proposers.suffix import SuffixKind
+from specserve.engine.config import EngineConfig
+from specserve.engine.errors import ModelLoadError
+from specserve.engine.model.bundle import Bundle
+from specserve.engine.speculative.proposers.draft_model import DraftModelKind
+from specserve.engine.speculative.proposers.eagle3 import Eagle3Kind
+from specserve.engine.speculative.proposers.kind import HeadKind, LoadedProposer, ProposerKind
+from specserve.engine.speculative.proposers.mtp import MtpKind
+from specserve.engine.speculative.proposers.prompt_lookup import PromptLookupKind
+from specserve.engine.speculative.proposers.shared_kv import SharedKvKind
+from specserve.engine.speculative.proposers.suffix import SuffixKind
 
 PROPOSER_KINDS: dict[str, ProposerKind] = {kind.mode: kind for kind in (
     PromptLookupKind(), SuffixKind(), DraftModelKind(), MtpKind(), Eagle3Kind(), SharedKvKind())}

@@ -23,14 +23,14 @@ from typing import Sequence
 
 import numpy as np
 
-from engine.errors import InvalidRequestError, ModelLoadError
-from engine.grammar.drafting import guided_choices
-from engine.kv.paged_cache import PagedKVCache
-from engine.model.bundle import Bundle
-from engine.model.heads import HeadModel
-from engine.speculative.proposers.base import Needs, Proposal, ProposerContext, SharedKvSlice, StatelessProposer
-from engine.speculative.proposers.kind import HeadKind, LoadedProposer
-from engine.speculative.rounds import Anchor
+from specserve.engine.errors import InvalidRequestError, ModelLoadError
+from specserve.engine.grammar.drafting import guided_choices
+from specserve.engine.kv.paged_cache import PagedKVCache
+from specserve.engine.model.bundle import Bundle
+from specserve.engine.model.heads import HeadModel
+from specserve.engine.speculative.proposers.base import Needs, Proposal, ProposerContext, SharedKvSlice, StatelessProposer
+from specserve.engine.speculative.proposers.kind import HeadKind, LoadedProposer
+from specserve.engine.speculative.rounds import Anchor
 
 
 def shared_kv_slices(cache: PagedKVCache, seq_id, groups: dict[str, int]) -> tuple[SharedKvSlice, ...]:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from engine.config import SpeculativeConfig
-from engine.speculative.proposers.base import AcceptContext, Proposal, Proposer, ProposerContext, StatelessProposer
-from engine.speculative.proposers.kind import ProposerKind
-from engine.speculative.suffix_index import SuffixCache, SuffixParams, TokenIndex
+from specserve.engine.config import SpeculativeConfig
+from specserve.engine.speculative.proposers.base import AcceptContext, Proposal, Proposer, ProposerContext, StatelessProposer
+from specserve.engine.speculative.proposers.kind import ProposerKind
+from specserve.engine.speculative.suffix_index import SuffixCache, SuffixParams, TokenIndex
 
 OWN = 0  # the request's own sequence id in its private index
 
