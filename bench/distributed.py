@@ -134,7 +134,7 @@ def snapshot(base_url: str, mode: str) -> dict[str, float]:
 
     from ray import serve
 
-    from specserve.engine.speculative.proposers.registry import PROPOSER_KINDS
+    from specserve.engine.speculative.proposers.registry import PROPOSER_MODES
 
     status = json.loads(urlopen(f"{base_url}/specserve/status").read())
     target = serve.get_deployment_handle("TargetModel", "specserve").kv_usage.remote().result()
@@ -144,7 +144,7 @@ def snapshot(base_url: str, mode: str) -> dict[str, float]:
            "target_s": status["mean_target_ms"] * status["ticks"] / 1000,
            "target_steps": target["steps"], "target_step_s": target["step_s"], "target_compute_s": target["compute_s"],
            "proposer_calls": 0, "proposer_s": 0.0, "proposer_compute_s": 0.0}
-    kind = PROPOSER_KINDS.get(mode)
+    kind = PROPOSER_MODES.get(mode)
     if kind is not None and not kind.in_coordinator:
         stats = serve.get_deployment_handle(kind.deployment, "specserve").transport_stats.remote().result()
         out.update(proposer_calls=stats["calls"], proposer_s=stats["propose_s"], proposer_compute_s=stats["compute_s"])
@@ -233,7 +233,7 @@ def cpu_per_token(before: dict[str, float], after: dict[str, float], tokens: int
 def server_args(config: str, args: argparse.Namespace, modes: list[str], model: Path) -> dict:
     """The application's args for one measured configuration."""
     from specserve.deployments.autoscaling import replica_load_autoscaling
-    from specserve.engine.speculative.proposers.registry import PROPOSER_KINDS
+    from specserve.engine.speculative.proposers.registry import PROPOSER_MODES
 
     scheduler = {"lanes": args.lanes, **({} if args.plain_steps is None else {"plain_steps": args.plain_steps})}
     out = {"model_dir": str(model), "stream_interval": args.stream_interval,
@@ -246,8 +246,8 @@ def server_args(config: str, args: argparse.Namespace, modes: list[str], model: 
         proposer = replica_load_autoscaling(1, 2, target_sequences=max(args.streams), upscale_delay_s=5,
                                             downscale_delay_s=30)
         out["deployment_overrides"] = {"TargetModel": {"autoscaling_config": target}, **{
-            PROPOSER_KINDS[m].deployment: {"autoscaling_config": proposer} for m in modes
-            if m != "none" and not PROPOSER_KINDS[m].in_coordinator}}
+            PROPOSER_MODES[m].deployment: {"autoscaling_config": proposer} for m in modes
+            if m != "none" and not PROPOSER_MODES[m].in_coordinator}}
     elif config == "token-events":  # fixed, with one SSE event per token instead of one per write
         out["stream_events"] = "token"
     elif config == "gpu-yaml":
@@ -265,7 +265,7 @@ def gpu_config_on_cpu(model: Path, modes: list[str]) -> dict:
     included -- less those of proposers the model does not have."""
     import yaml
 
-    from specserve.engine.speculative.proposers.registry import PROPOSER_KINDS
+    from specserve.engine.speculative.proposers.registry import PROPOSER_MODES
 
     app = yaml.safe_load((ROOT / "cluster/serve_config.gpu.yaml").read_text())["applications"][0]
     args = app["args"]
@@ -274,7 +274,7 @@ def gpu_config_on_cpu(model: Path, modes: list[str]) -> dict:
     speculative = args["engine"].setdefault("speculative", {})
     speculative["default_mode"] = "auto"
     speculative["load"] = [m for m in speculative.get("load") or () if m in modes]
-    made = {"Router", "TargetModel"} | {PROPOSER_KINDS[m].deployment for m in speculative["load"]}
+    made = {"Router", "TargetModel"} | {PROPOSER_MODES[m].deployment for m in speculative["load"]}
     cpu_app = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]
     target_cpus = next(d for d in cpu_app["deployments"] if d["name"] == "TargetModel")["placement_group_bundles"][1]["CPU"]
     args["engine"]["intra_op_threads"] = cpu_app["args"]["engine"]["intra_op_threads"]

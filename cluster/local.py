@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                         choices=["auto", "none", "prompt_lookup", "draft_model", "mtp", "eagle3", "shared_kv"])
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--modes", default=None,
-                        help="comma-separated proposer kinds to deploy (default: every one the bundle provides)")
+                        help="comma-separated proposer modes to deploy (default: every one the bundle provides)")
     parser.add_argument("--num-cpus", type=int, default=DEFAULT_LOGICAL_CPUS)
     parser.add_argument("--no-dashboard", action="store_true")
     options = parser.parse_args(argv)

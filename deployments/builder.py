@@ -39,8 +39,8 @@ def deployment_options(settings: ServeSettings, declared: dict) -> dict:
 
 
 def deployed_modes(settings: ServeSettings, bundle: Bundle) -> list[str]:
-    """The model-based proposer kinds to deploy: ``engine.speculative.load``, or every one
-    the bundle provides; a requested kind the bundle lacks is an error."""
+    """The model-based proposer modes to deploy: ``engine.speculative.load``, or every one
+    the bundle provides; a requested mode the bundle lacks is an error."""
     return model_modes(bundle, settings.engine, f"the bundle at {bundle.directory}")
 
 

@@ -1,6 +1,6 @@
-"""A proposer deployment: one model-based proposer kind (draft model, MTP, EAGLE-3 or
+"""A proposer deployment: one model-based proposer mode (draft model, MTP, EAGLE-3 or
 shared-KV) with its own replicas and resources. Each replica is a thin shell around its
-worker actor (``workers.ProposerStepper``), where the kind's model runs, loaded through
+worker actor (``workers.ProposerStepper``), where the mode's model runs, loaded through
 the proposer registry as the in-process engine loads it.
 
 Target hidden states and shared-KV slices arrive as ObjectRefs to the object the target
@@ -27,7 +27,7 @@ from ray import serve
 
 from specserve.engine.sched.cost_tables import DraftCostTable
 from specserve.engine.sched.messages import ProposeItem, ProposeResult
-from specserve.engine.speculative.proposers.registry import PROPOSER_KINDS
+from specserve.engine.speculative.proposers.registry import PROPOSER_MODES
 
 from .affinity import TICK_WORKER_OPTIONS
 from .settings import ServeSettings
@@ -46,7 +46,7 @@ class ProposerModel:
         gpu = settings.engine.device == "cuda"
         bundles = worker_bundles(0.25, 0.25 if gpu else 0.0)
         return {
-            "name": PROPOSER_KINDS[mode].deployment,
+            "name": PROPOSER_MODES[mode].deployment,
             "max_ongoing_requests": 2 * settings.engine.scheduler.lanes,
             "ray_actor_options": {"num_cpus": bundles[0]["CPU"]},
             "placement_group_bundles": bundles,

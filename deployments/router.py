@@ -178,7 +178,7 @@ class Router:
 
     async def _connect(self) -> None:
         """Learn the target's limits and the KV manager once, and wire what each deployed
-        proposer kind takes from the target (the registry says; the target's outputs check)."""
+        proposer mode takes from the target (the registry says; the target's outputs check)."""
         info = await self.target.describe.remote()
         needs = proposer_needs(self.bundle, self.proposers, set(info["extra_outputs"]))
         grammar_compiler(self.tokenizer, info["vocab_size"], info["eos_token_ids"])  # checks requests' grammars

@@ -25,7 +25,7 @@ class ServeSettings(BaseModel):
                                   "working directory, then in the data home: the checkout, or $SPECSERVE_HOME, "
                                   "default ~/.local/share/specserve")
     engine: EngineConfig = Field(default_factory=EngineConfig, description=(
-        "the engine's configuration (engine/config.py); `engine.speculative.load` = the proposer kinds to "
+        "the engine's configuration (engine/config.py); `engine.speculative.load` = the proposer modes to "
         "deploy (None = every one the bundle provides), `engine.scheduler.lanes` = the router's tick loops"))
     max_tokens_cap: int | None = Field(None, ge=1, description="largest max_tokens accepted; None = the context")
     served_model_name: str | None = Field(None, description=(

@@ -39,7 +39,7 @@ from specserve.engine.model.cached_decoder import CachedDecoder, model_eos_token
 from specserve.engine.model.tokenizer import TextTokenizer
 from specserve.engine.sched.cost_tables import DraftCostTable, VerifyCostTable
 from specserve.engine.sched.messages import PrefillItem, ProposeItem, ProposeResult, TargetResult, VerifyItem
-from specserve.engine.speculative.proposers.registry import PROPOSER_KINDS
+from specserve.engine.speculative.proposers.registry import PROPOSER_MODES
 
 from .autoscaling import KV_BLOCKS_TOTAL, KV_BLOCKS_USED, POLICY_PATH, SEQUENCES, reads_replica_load
 from .kv_manager import LEASE_S, owner_of
@@ -176,7 +176,7 @@ class TargetStepper:
         caller = (owner_of(items[0].seq_id) or "") if items else ""
         results, merged = self.merger.step(caller, prefills, verifies, releases)
         if merged:  # its time paid for other routers' rows too: not a price of its own
-            results = [dataclasses.replace(r, shared_call=True) for r in results]
+            results = [dataclasses.replace(r, merged_call=True) for r in results]
         return replica, results
 
     def _step(self, prefills: list[PrefillItem], verifies: list[VerifyItem],
@@ -220,7 +220,7 @@ class TargetStepper:
 
 
 class ProposerStepper:
-    """One proposer kind's model and the drafting state of the sequences it serves."""
+    """One proposer mode's model and the drafting state of the sequences it serves."""
 
     def __init__(self, bundle_dir: str, mode: str, engine_config: dict) -> None:
         config = worker_config(engine_config)
@@ -228,7 +228,7 @@ class ProposerStepper:
         vocab = bundle.manifest.models["target"].architecture.vocab_size
         self.mode = mode
         self.metrics = ServeWorkerMetrics()
-        self.worker = proposer_worker(PROPOSER_KINDS[mode].load(bundle, config, vocab), self.metrics,
+        self.worker = proposer_worker(PROPOSER_MODES[mode].load(bundle, config, vocab), self.metrics,
                                       functools.partial(_target_grammars, bundle.target_dir, vocab),
                                       grammars_now=True, idle_timeout_s=ORPHANED_AFTER_S)
         self.transport: Counter = Counter()  # how target data arrived (by reference: the design)

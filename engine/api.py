@@ -35,7 +35,7 @@ from specserve.engine.sched.local_transport import LocalTransport
 from specserve.engine.sched.metrics import RoundMetrics
 from specserve.engine.sched.sequence_driver import SequenceDriver
 from specserve.engine.speculative.proposers.base import Needs
-from specserve.engine.speculative.proposers.registry import PROPOSER_KINDS, LoadedProposer
+from specserve.engine.speculative.proposers.registry import PROPOSER_MODES, LoadedProposer
 from specserve.engine.speculative.sampling import TokenLogprob
 from specserve.engine.speculative.sequence import FinishReason, TokenCallback, TokenEvent
 from specserve.engine.speculative.stats import SpeculativeStats
@@ -73,7 +73,7 @@ class Engine:
         where = f"the bundle at {self.bundle.directory}" if self.bundle else \
             f"{self.target.decoder.model_dir} (no manifest.json beside it)"
         vocab = self.target.decoder.vocab_size
-        self.proposers: dict[str, LoadedProposer] = {mode: PROPOSER_KINDS[mode].load(self.bundle, config, vocab)
+        self.proposers: dict[str, LoadedProposer] = {mode: PROPOSER_MODES[mode].load(self.bundle, config, vocab)
                                                      for mode in model_modes(self.bundle, config, where)}
         self.needs: dict[str, Needs] = proposer_needs(self.bundle, self.proposers,
                                                       set(self.target.decoder.io.extra_outputs))

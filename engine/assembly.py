@@ -2,11 +2,11 @@
 both transports.
 
 The in-process ``Engine`` builds every part here in one process. On the server the same
-parts are built where they run: the Serve builder asks which proposer kinds to deploy
+parts are built where they run: the Serve builder asks which proposer modes to deploy
 (``model_modes``), each target worker and proposer worker builds its own worker
 (``target_worker``, ``proposer_worker``), and each router wires the coordinator from what
 the target reports (``proposer_needs``, ``coordination``). A new
-proposer kind or option is wired here and in the registry, nowhere else.
+proposer mode or option is wired here and in the registry, nowhere else.
 """
 from __future__ import annotations
 
@@ -24,13 +24,13 @@ from specserve.engine.sched.proposer_worker import IDLE_TIMEOUT_S, ProposerWorke
 from specserve.engine.sched.sequence_driver import DriverFactory
 from specserve.engine.sched.target_worker import TargetWorker
 from specserve.engine.speculative.proposers.base import Needs
-from specserve.engine.speculative.proposers.kind import LoadedProposer
-from specserve.engine.speculative.proposers.registry import MODEL_MODES, PROPOSER_KINDS, provided_modes
+from specserve.engine.speculative.proposers.mode import LoadedProposer
+from specserve.engine.speculative.proposers.registry import MODEL_MODES, PROPOSER_MODES, provided_modes
 
 def model_modes(bundle: Bundle | None, config: EngineConfig, where: str) -> list[str]:
-    """The proposer kinds with a model of their own to load (in-process) or deploy
+    """The proposer modes with a model of their own to load (in-process) or deploy
     (server): ``speculative.load``, or every one the bundle provides. Raises
-    ``ModelLoadError`` for a requested kind that ``where`` (the bundle) lacks."""
+    ``ModelLoadError`` for a requested mode that ``where`` (the bundle) lacks."""
     available = provided_modes(bundle)
     load = config.speculative.load
     missing = [mode for mode in load or () if mode not in available]
@@ -40,8 +40,8 @@ def model_modes(bundle: Bundle | None, config: EngineConfig, where: str) -> list
 
 
 def proposer_needs(bundle: Bundle | None, modes: Iterable[str], target_outputs: set[str]) -> dict[str, Needs]:
-    """What each proposer kind takes from the target, checked against the target's outputs."""
-    return {mode: PROPOSER_KINDS[mode].needs(bundle, target_outputs) for mode in modes}
+    """What each proposer mode takes from the target, checked against the target's outputs."""
+    return {mode: PROPOSER_MODES[mode].needs(bundle, target_outputs) for mode in modes}
 
 
 def target_worker(decoder: CachedDecoder, config: EngineConfig, grammars_now: bool = False) -> TargetWorker:
@@ -59,7 +59,7 @@ def target_worker(decoder: CachedDecoder, config: EngineConfig, grammars_now: bo
 def proposer_worker(loaded: LoadedProposer, metrics: RoundMetrics | None = None,
                     grammars: Callable[[], GrammarCompiler] | None = None, grammars_now: bool = False,
                     idle_timeout_s: float = IDLE_TIMEOUT_S) -> ProposerWorker:
-    """One proposer kind's worker, ready to serve: its model probed (a first real run,
+    """One proposer mode's worker, ready to serve: its model probed (a first real run,
     which also warms its session up), its draft costs timed, and with ``grammars_now``
     the target's grammar compiler made (``grammars``: drafts follow grammars)."""
     worker = ProposerWorker(loaded, metrics, idle_timeout_s=idle_timeout_s, grammars=grammars)

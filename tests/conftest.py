@@ -214,12 +214,12 @@ def served_every_mode(url: str, engine: Engine, chats: list[list[dict]], streams
 
     from specserve.engine import GenerationOptions
     from specserve.engine.model.default_model import DEFAULT_MODEL_NAME
-    from specserve.engine.speculative.proposers.registry import PROPOSER_KINDS
+    from specserve.engine.speculative.proposers.registry import PROPOSER_MODES
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
     options = GenerationOptions(max_new_tokens=new_tokens, temperature=0, speculative_mode="none")
     expected = [engine.chat(c, options).token_ids for c in chats]
-    modes = ("none", *PROPOSER_KINDS)
+    modes = ("none", *PROPOSER_MODES)
 
     def ask(i: int) -> list[int]:
         response = client.chat.completions.create(

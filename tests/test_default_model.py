@@ -24,7 +24,7 @@ import pytest
 from specserve.engine import Engine, GenerationOptions, InvalidRequestError
 from specserve.engine.model.bundle import Bundle
 from specserve.engine.model.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
-from specserve.engine.speculative.proposers.registry import PROPOSER_KINDS
+from specserve.engine.speculative.proposers.registry import PROPOSER_MODES
 from specserve.modelbuild.default_model import SMOLLM2
 from specserve.modelbuild.from_gguf.checkpoint import GgufCheckpoint
 from specserve.modelbuild.fused_graph import _Graph
@@ -60,7 +60,7 @@ def test_engine_with_no_argument_answers_a_chat_question_correctly(default_engin
 
 
 def test_it_ships_a_head_of_every_kind_and_each_is_token_identical_to_target_only(default_engine, chats):
-    assert default_engine.available_modes == ["none", *PROPOSER_KINDS]
+    assert default_engine.available_modes == ["none", *PROPOSER_MODES]
     base = GenerationOptions(max_new_tokens=NEW_TOKENS, temperature=0)
     expected = [default_engine.chat(c, base.model_copy(update={"speculative_mode": "none"})).token_ids
                 for c in chats[:6]]
@@ -130,7 +130,7 @@ def test_served_chat_names_the_model_and_matches_the_engine_in_every_mode(served
     options = GenerationOptions(max_new_tokens=NEW_TOKENS, temperature=0)
     for messages in chats[:4]:
         expected = default_engine.chat(messages, options).token_ids
-        for mode in ("none", *PROPOSER_KINDS):
+        for mode in ("none", *PROPOSER_MODES):
             response = client.chat.completions.create(
                 model=DEFAULT_MODEL_NAME, messages=messages, max_tokens=NEW_TOKENS, temperature=0,
                 extra_body={"speculative_mode": mode, "return_token_ids": True})
@@ -189,7 +189,7 @@ def test_every_mode_gives_the_same_tokens_cold_warm_and_uncached(served, chats, 
     conversations = [[system, *chats[i]] for i in (8, 9)]
     options = GenerationOptions(max_new_tokens=NEW_TOKENS, temperature=0)
     expected = [uncached_default.chat(c, options).token_ids for c in conversations]
-    for mode in ("none", *PROPOSER_KINDS):
+    for mode in ("none", *PROPOSER_MODES):
         assert httpx.post(f"{served}/reset_prefix_cache", timeout=30).json()["status"] == "ok"
         cold, warm = (_first_token(client, c, mode) for c in conversations)
         assert cold[2] == 0 and warm[2] >= 704, mode

@@ -348,11 +348,11 @@ def test_admission_counts_a_shared_block_once_and_reserves_only_the_rest():
     ledger.register_pool("r", num_blocks=10, block_size=4)
     prompt = list(range(17))  # 4 full blocks; a hit may take at most 4 (the 17th token is fed)
     first = _published(ledger, "first", prompt, 24)
-    assert first.shared_blocks == 0 and len(first.blocks) == 6
+    assert first.prefix_blocks == 0 and len(first.blocks) == 6
     second = ledger.try_admit("second", 24, prefix=prompt)
-    assert second.shared_blocks == 4 and second.cached_tokens == 16 and second.blocks[:4] == first.blocks[:4]
+    assert second.prefix_blocks == 4 and second.cached_tokens == 16 and second.blocks[:4] == first.blocks[:4]
     assert ledger.usage()["reserved_blocks"] == 8  # 6 + 2 new: the 4 shared ones counted once
-    assert ledger.try_admit("third", 24, prefix=prompt).shared_blocks == 4  # the last 2 free blocks
+    assert ledger.try_admit("third", 24, prefix=prompt).prefix_blocks == 4  # the last 2 free blocks
     assert ledger.try_admit("fourth", 24, prefix=prompt) is None  # 2 more wanted, none left: wait
     assert ledger.try_admit("cold", 4) is None
     for seq in ("first", "second", "third"):
@@ -399,8 +399,8 @@ class LedgerAndPoolMachine(RuleBasedStateMachine):
         grant = self.ledger.try_admit(sid, len(prompt) + extra, prefix=prompt)
         if grant is None:
             return
-        self.pool.add_sequence(sid, grant.blocks[grant.shared_blocks:])
-        start = self.pool.share_prefix(sid, prompt, grant.blocks[: grant.shared_blocks]) if grant.shared_blocks else 0
+        self.pool.add_sequence(sid, grant.blocks[grant.prefix_blocks:])
+        start = self.pool.share_prefix(sid, prompt, grant.blocks[: grant.prefix_blocks]) if grant.prefix_blocks else 0
         assert start == grant.cached_tokens
         self.pool.append(sid, *_kv_of(prompt, start))
         self.pool.publish(sid, prompt)
@@ -452,7 +452,7 @@ def test_a_rebuilt_ledger_keeps_the_pools_cached_prefixes_and_their_holders():
     ledger = BlockLedger()
     ledger.register_pool("r", 6, BLOCK, live={"live": pool.owned_blocks("live")}, names=pool.block_names())
     grant = ledger.try_admit("new", 12, prefix=prompt)
-    assert grant.shared_blocks == 2 and grant.blocks[:2] == pool.block_table("live")[:2]
+    assert grant.prefix_blocks == 2 and grant.blocks[:2] == pool.block_table("live")[:2]
     assert ledger.usage()["reserved_blocks"] == 4  # live's 3, and 1 more for new
     assert ledger.release("live", prompt) and ledger.release("new")
     assert ledger.usage() | {"per_replica": None} == {"replicas": 1, "total_blocks": 6, "free_blocks": 6,

@@ -454,11 +454,11 @@ def test_a_worker_drops_sequences_it_has_not_drafted_for_and_resyncs_them(heldou
 
     from specserve.engine.config import EngineConfig
     from specserve.engine.model.bundle import Bundle
-    from specserve.engine.speculative.proposers.registry import PROPOSER_KINDS
+    from specserve.engine.speculative.proposers.registry import PROPOSER_MODES
 
     bundle = Bundle.load(MODELS)
     vocab = bundle.manifest.models["target"].architecture.vocab_size
-    loaded = PROPOSER_KINDS["draft_model"].load(bundle, EngineConfig(device="cpu"), vocab)
+    loaded = PROPOSER_MODES["draft_model"].load(bundle, EngineConfig(device="cpu"), vocab)
     worker = ProposerWorker(loaded, idle_timeout_s=0.2)
     cache = loaded.model.cache
     free = cache.free_blocks

@@ -23,7 +23,7 @@ from specserve.deployments.builder import deployed_modes
 from specserve.deployments.settings import ServeSettings
 from specserve.engine import GenerationOptions
 from specserve.engine.model.bundle import Bundle
-from specserve.engine.speculative.proposers.registry import PROPOSER_KINDS
+from specserve.engine.speculative.proposers.registry import PROPOSER_MODES
 
 from .conftest import free_port
 
@@ -52,7 +52,7 @@ def test_a_shipped_config_passes_serves_schema_and_names_only_deployments_the_bu
         assert app["import_path"] == "specserve.deployments.builder:build_app"
         settings = ServeSettings.model_validate(app.get("args", {}))
         modes = deployed_modes(settings, Bundle.load(settings.bundle_dir()))
-        made = {"Router", "TargetModel"} | {PROPOSER_KINDS[mode].deployment for mode in modes}
+        made = {"Router", "TargetModel"} | {PROPOSER_MODES[mode].deployment for mode in modes}
         named = {deployment["name"] for deployment in app.get("deployments", [])}
         assert named <= made, f"{name} configures deployments the builder does not make: {named - made}"
         assert "TargetModel" in named and "Router" in named

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from specserve.engine import GenerationOptions, InvalidRequestError
 from specserve.engine.speculative.proposers.base import NO_NEEDS
 from specserve.engine.speculative.proposers.prompt_lookup import PromptLookupProposer
-from specserve.engine.speculative.proposers.registry import PROPOSER_KINDS
+from specserve.engine.speculative.proposers.registry import PROPOSER_MODES
 from specserve.engine.speculative.reference import speculative_decode
 from specserve.engine.speculative.stats import SpeculativeStats
 
@@ -51,7 +51,7 @@ def reference_decode(engine, mode: str, prompt: str, options: GenerationOptions,
     elif mode == "prompt_lookup":
         proposer = PromptLookupProposer(3, k)
     elif mode == "suffix":  # its own history only: the caller resets the engine's suffix cache first
-        proposer = PROPOSER_KINDS["suffix"].local_proposer(engine.config.speculative, k)
+        proposer = PROPOSER_MODES["suffix"].local_proposer(engine.config.speculative, k)
     else:
         proposer = engine.proposers[mode].new_proposer()
     try:

@@ -14,11 +14,11 @@ import jsonschema
 import openai
 import pytest
 
-from specserve.engine.speculative.proposers.registry import PROPOSER_KINDS
+from specserve.engine.speculative.proposers.registry import PROPOSER_MODES
 
 from .conftest import stream_chat
 
-MODES = ("none", *PROPOSER_KINDS)  # every mode: SmolLM2 ships a draft model and a head of each kind
+MODES = ("none", *PROPOSER_MODES)  # every mode: SmolLM2 ships a draft model and a head of each kind
 BOOK = {"type": "object", "properties": {"title": {"type": "string"}, "author": {"type": "string"},
                                          "year": {"type": "integer"}},
         "required": ["title", "author", "year"], "additionalProperties": False}

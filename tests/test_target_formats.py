@@ -24,7 +24,7 @@ from specserve.engine.model.graph_family import FAST_FILE, FAST_IN_PLACE_FILE
 from specserve.engine.model.in_place import InPlaceDecoder
 from specserve.engine.model.onnx_model import OnnxDecoder
 from specserve.engine.model.tokenizer import TextTokenizer
-from specserve.engine.speculative.proposers.registry import PROPOSER_KINDS
+from specserve.engine.speculative.proposers.registry import PROPOSER_MODES
 
 from .conftest import CPU_CONFIG, TARGET_DIR, generate_concurrently, running_server, served_every_mode
 
@@ -190,7 +190,7 @@ def test_a_constructed_near_tie_is_decided_as_target_only_decides_it_in_every_mo
     assert got == expected
     reply = expected[0]
     assert reply[near_tie["position"]] in near_tie["tokens"]
-    for mode in PROPOSER_KINDS:
+    for mode in PROPOSER_MODES:
         options = GenerationOptions(max_new_tokens=NEW_TOKENS, temperature=0, speculative_mode=mode,
                                     adaptive_speculation=False, **extra)
         assert fast_engine.chat(near_tie["chat"], options).token_ids == reply, mode

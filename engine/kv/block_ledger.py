@@ -41,7 +41,7 @@ class AdmissionError(KVCacheCapacityError):
 class Grant:
     replica: str
     blocks: list[int]     # in the sequence's table order: its shared blocks first, then its reservation
-    shared_blocks: int = 0  # leading blocks that already hold the prefix's KV (a prefix-cache hit)
+    prefix_blocks: int = 0  # leading blocks that already hold the prefix's KV (a prefix-cache hit)
     cached_tokens: int = 0  # the tokens they hold: what the prefill need not compute
 
 

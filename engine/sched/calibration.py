@@ -3,7 +3,7 @@ tables adaptive speculation plans with (``sched.cost_tables``).
 
 ``measure_verify_costs`` times the target on batches of dummy sequences (1 and 5 rows
 each at a few batch sizes, and 2 rows at batch 1) -- which also warms onnxruntime up, so
-the first request does not pay for it; ``measure_draft_costs`` times a proposer kind on synthetic contexts.
+the first request does not pay for it; ``measure_draft_costs`` times a proposer mode on synthetic contexts.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def measure_verify_costs(target: CachedDecoder, max_batch: int, repeats: int = 2
 
 
 def measure_draft_costs(new_proposer, anchor, vocab: int, batch: int = 8, repeats: int = 3) -> DraftCostTable:
-    """Time a proposer kind on synthetic contexts (random tokens, zero hidden states --
+    """Time a proposer mode on synthetic contexts (random tokens, zero hidden states --
     the work a draft does does not depend on the values). A draft model is timed after
     its own prefill, aligning 2 new tokens per round as a real round does."""
     from specserve.engine.options import GenerationOptions

@@ -87,7 +87,7 @@ class Transport(Protocol):
         """The target's measured cost of a verify pass by batch and rows (``sched.calibration``)."""
 
     async def draft_costs(self, mode: str) -> DraftCostTable:
-        """A proposer kind's measured cost of a call by batch and drafts (``sched.calibration``)."""
+        """A proposer mode's measured cost of a call by batch and drafts (``sched.calibration``)."""
 
 
 @dataclass(eq=False)
@@ -492,7 +492,7 @@ class RoundCoordinator:
         groups: dict[str, tuple[list, list, list[_Run]]] = {}
         for run in prefilling:
             prefills, _, runs = groups.setdefault(run.grant.replica, ([], [], []))
-            prefills.append(run.driver.prefill_item(run.grant.blocks, run.grant.shared_blocks))
+            prefills.append(run.driver.prefill_item(run.grant.blocks, run.grant.prefix_blocks))
             runs.append(run)
         for run in decoding:
             _, verifies, runs = groups.setdefault(run.grant.replica, ([], [], []))
@@ -519,7 +519,7 @@ class RoundCoordinator:
         if prefills or verifies:
             self.metrics.verify_call(seconds)
             if self.planner is not None:  # a call merged with another router's teaches nothing of its own rows
-                changed = changed or any(result.shared_call for result in results)
+                changed = changed or any(result.merged_call for result in results)
                 self.planner.observe(TargetCall([len(item.drafts) + 1 for item in verifies],
                                                 [item.steps for item in verifies], len(prefills), changed, own))
         return results, releases

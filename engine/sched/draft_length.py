@@ -30,7 +30,7 @@ to back in one call (``SchedulerConfig.plain_steps``, vLLM's num_scheduler_steps
 The coordinator only schedules: it asks ``plan(call)`` before a round's target call and
 reports what it then sees through ``observe(record)`` -- a verified round, a retired
 sequence, a proposer or target call and its seconds, a round's time outside its calls and
-the gap before its tick, a proposer kind's measured costs. Which of them teach what is decided here.
+the gap before its tick, a proposer mode's measured costs. Which of them teach what is decided here.
 """
 from __future__ import annotations
 
@@ -143,7 +143,7 @@ class RoundTime(NamedTuple):
 
 
 class DraftCosts(NamedTuple):
-    """A proposer kind's measured cost table (``ProposerWorker.draft_costs``)."""
+    """A proposer mode's measured cost table (``ProposerWorker.draft_costs``)."""
 
     mode: str
     table: DraftCostTable
@@ -206,7 +206,7 @@ class DraftLengthPlanner:
     def for_target(cls, table: VerifyCostTable, heads: Iterable[str], plain_steps: int = 1,
                    replan_rounds: int = 1) -> "DraftLengthPlanner":
         """A planner for a target whose verify passes ``table`` measured; ``heads``: the
-        modes whose proposer is a head (``DraftCostModel``). Each proposer kind's costs
+        modes whose proposer is a head (``DraftCostModel``). Each proposer mode's costs
         come in later, as ``DraftCosts`` records."""
         return cls(VerifyCostModel(table), DraftCostModel(heads), plain_steps=plain_steps, replan_rounds=replan_rounds)
 

@@ -31,7 +31,7 @@ class PrefillItem:
     reserved_blocks: list[int] | None = None
     resume: bool = False
     rules: SequenceRules | None = None  # None: ``tokens`` is the prompt (rules from the options and the EOS)
-    shared_blocks: int = 0  # leading ``reserved_blocks`` that hold the prefix's KV already (a prefix-cache hit)
+    prefix_blocks: int = 0  # leading ``reserved_blocks`` that hold the prefix's KV already (a prefix-cache hit)
 
     @property
     def fed(self) -> list[int]:
@@ -56,7 +56,7 @@ class TargetResult:
     kv_length: int = 0            # tokens in the sequence's KV after the round
     error: str | None = None
     unknown_sequence: bool = False  # this target does not hold the sequence: re-prefill it
-    shared_call: bool = False     # its call ran with another router's sequences: the time was not its own
+    merged_call: bool = False     # its call ran with another router's sequences: the time was not its own
 
 
 # -- coordinator -> proposer worker, and back --------------------------------------------

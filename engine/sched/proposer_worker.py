@@ -34,7 +34,7 @@ from specserve.engine.sched.metrics import RoundMetrics
 from specserve.engine.speculative.proposers.base import AcceptContext, Proposal, Proposer, ProposerContext
 from specserve.engine.sched.calibration import CALIBRATION_PAST, measure_draft_costs
 from specserve.engine.sched.cost_tables import DraftCostTable
-from specserve.engine.speculative.proposers.registry import PROPOSER_KINDS, LoadedProposer
+from specserve.engine.speculative.proposers.registry import PROPOSER_MODES, LoadedProposer
 from specserve.engine.speculative.rounds import Anchor, proposer_context
 from specserve.engine.speculative.sampling import SequenceRules
 
@@ -58,7 +58,7 @@ class _Mirror:
 
 
 class ProposerWorker:
-    """Per-sequence proposers and token mirrors for one proposer kind."""
+    """Per-sequence proposers and token mirrors for one proposer mode."""
 
     def __init__(self, loaded: LoadedProposer, metrics: RoundMetrics | None = None,
                  idle_timeout_s: float = IDLE_TIMEOUT_S, grammars: Callable[[], GrammarCompiler] | None = None) -> None:
@@ -79,7 +79,7 @@ class ProposerWorker:
         """What a call costs by batch and drafts (``sched.calibration``), timed on first use on
         synthetic contexts and kept. Owners call it at start-up."""
         if self._costs is None:
-            anchor = PROPOSER_KINDS[self.mode].calibration_anchor(self.loaded, CALIBRATION_PAST + 1)
+            anchor = PROPOSER_MODES[self.mode].calibration_anchor(self.loaded, CALIBRATION_PAST + 1)
             self._costs = measure_draft_costs(self.loaded.new_proposer, anchor, self.loaded.vocab_size)
         return self._costs
 

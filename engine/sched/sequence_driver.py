@@ -21,7 +21,7 @@ from specserve.engine.model.tokenizer import TextTokenizer, encode_prompt
 from specserve.engine.options import SPECULATIVE_MODES, GenerationOptions
 from specserve.engine.sched.messages import PrefillItem, ProposeItem, ProposeResult, VerifyItem
 from specserve.engine.speculative.proposers.base import NO_NEEDS, AcceptContext, Needs, Proposer
-from specserve.engine.speculative.proposers.registry import PROPOSER_KINDS
+from specserve.engine.speculative.proposers.registry import PROPOSER_MODES
 from specserve.engine.speculative.rounds import (Anchor, RoundOutcome, commit_outcome, drafts_allowed, proposer_context,
                                        record_round, tokens_left)
 from specserve.engine.speculative.sequence import SequenceState, TokenCallback
@@ -92,11 +92,11 @@ class SequenceDriver:
         return not self.prefilled or self.resuming
 
     # -- what to send --------------------------------------------------------------------
-    def prefill_item(self, reserved_blocks: list[int] | None, shared_blocks: int = 0) -> PrefillItem:
+    def prefill_item(self, reserved_blocks: list[int] | None, prefix_blocks: int = 0) -> PrefillItem:
         """The prompt, or, after the sequence lost its target, every committed token;
-        ``shared_blocks``: how many leading reserved blocks already hold their KV."""
+        ``prefix_blocks``: how many leading reserved blocks already hold their KV."""
         return PrefillItem(self.seq_id, list(self.state.tokens), self.state.options, self.needs, reserved_blocks,
-                           resume=self.resuming, rules=self.state.rules, shared_blocks=shared_blocks)
+                           resume=self.resuming, rules=self.state.rules, prefix_blocks=prefix_blocks)
 
     @property
     def prefill_tokens(self) -> list[int]:
@@ -266,7 +266,7 @@ def served_modes(model_modes) -> list[str]:
     """Every mode a deployment serves, given the model-based kinds it loaded: target-only
     and the kinds that run inside the coordinator are always served."""
     return [m for m in SPECULATIVE_MODES if m == "none" or m in model_modes
-            or (m in PROPOSER_KINDS and PROPOSER_KINDS[m].in_coordinator)]
+            or (m in PROPOSER_MODES and PROPOSER_MODES[m].in_coordinator)]
 
 
 def resolve_default_mode(config: EngineConfig, modes: Sequence[str]) -> str:
@@ -334,7 +334,7 @@ class DriverFactory:
         if mode not in self.modes:
             raise InvalidRequestError(f"speculative mode '{mode}' is not loaded "
                                       f"(available: {', '.join(self.modes)})", param="speculative_mode")
-        kind = PROPOSER_KINDS.get(mode)  # None: target-only
+        kind = PROPOSER_MODES.get(mode)  # None: target-only
         default = kind.default_num_drafts(self.speculative) if kind else self.speculative.num_speculative_tokens
         return Speculation(mode, options.num_speculative_tokens or default)
 
@@ -367,7 +367,7 @@ class DriverFactory:
         before it admits any of its choices); None validates them here."""
         mode, num_drafts = speculation or self.validate(options)
         state = SequenceState(prompt_ids, options, self.tokenizer, self.eos_token_ids, self.max_context, on_token)
-        kind = PROPOSER_KINDS.get(mode)
+        kind = PROPOSER_MODES.get(mode)
         # A seed asks for a reproducible sample, and a sampled round's random draws depend
         # on the drafts it verifies -- which adapting ties to measured timings, and a cache
         # shared across requests to what ran before. So a seeded sampled request keeps its

@@ -120,7 +120,7 @@ class TargetWorker:
             if item.resume and item.rules is None:  # its tokens are not its prompt: the rules cannot be derived
                 raise ValueError("a resuming prefill must carry the sequence's rules")
             feed = item.fed
-            reserved, shared = item.reserved_blocks, item.shared_blocks
+            reserved, shared = item.reserved_blocks, item.prefix_blocks
             if shared and not item.resume and item.options.prompt_logprobs is not None:
                 raise ValueError("a prefill with prompt_logprobs needs every prompt row: it cannot start on "
                                  "cached blocks")

@@ -5,7 +5,7 @@ specserve reimplements (each proposer here behaves as one of its proposers): ``p
 pass, ``accept`` hears what the target committed, ``rewind`` re-aligns private state to
 the target's committed tokens, ``name`` identifies the mode. ``close`` releases
 per-request resources (a draft model's KV blocks). ``propose_batch`` drafts for several
-sequences at once; ``batchable`` kinds do it with one model run per draft step for the
+sequences at once; ``batchable`` modes do it with one model run per draft step for the
 whole batch (the heads restart every pass; the draft model drafts into each sequence's
 own instance, its ``owners``), the others loop.
 
@@ -141,7 +141,7 @@ class StatelessProposer:
 
 @dataclass(frozen=True)
 class Needs:
-    """What the round loop must hand a proposer kind (so it computes nothing unneeded)."""
+    """What the round loop must hand a proposer mode (so it computes nothing unneeded)."""
 
     final_hidden: str | None = None                   # target output name of the final hidden state
     layer_hiddens: tuple[str, ...] = ()               # target output names, low/mid/high in order

@@ -35,7 +35,7 @@ from specserve.engine.kv.paged_cache import KVCacheCapacityError
 from specserve.engine.model.bundle import Bundle
 from specserve.engine.model.cached_decoder import CachedDecoder, FeedRequest
 from specserve.engine.speculative.proposers.base import AcceptContext, Proposal, ProposerContext
-from specserve.engine.speculative.proposers.kind import LoadedProposer, ProposerKind
+from specserve.engine.speculative.proposers.mode import LoadedProposer, ProposerMode
 from specserve.engine.speculative.sampling import processed_logits, sample, token_distribution
 
 _sequence_ids = itertools.count()
@@ -199,7 +199,7 @@ def _stopped(context: ProposerContext) -> bool:
     return context.grammar is not None and context.grammar.allowed() is None
 
 
-class DraftModelKind(ProposerKind):
+class DraftModelMode(ProposerMode):
     mode, deployment = "draft_model", "DraftModelProposer"
     description = "a small LM with its own paged KV cache"
 

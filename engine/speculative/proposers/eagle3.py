@@ -22,7 +22,7 @@ from specserve.engine.grammar.drafting import guided_choices
 from specserve.engine.model.bundle import Bundle
 from specserve.engine.model.heads import HeadModel
 from specserve.engine.speculative.proposers.base import Needs, Proposal, ProposerContext, StatelessProposer
-from specserve.engine.speculative.proposers.kind import HeadKind, LoadedProposer
+from specserve.engine.speculative.proposers.mode import HeadMode, LoadedProposer
 from specserve.engine.speculative.rounds import Anchor
 
 
@@ -85,7 +85,7 @@ class Eagle3Proposer(StatelessProposer):
         return [Proposal(c.kept(row)) for row, c in zip(drafted, contexts)]
 
 
-class Eagle3Kind(HeadKind):
+class Eagle3Mode(HeadMode):
     mode, deployment = "eagle3", "Eagle3Proposer"
     description = "an EAGLE-3 head fed low/mid/high target hidden states"
     proposer = Eagle3Proposer

@@ -18,7 +18,7 @@ from specserve.engine.errors import InvalidRequestError, ModelLoadError
 from specserve.engine.grammar.drafting import guided_choices
 from specserve.engine.model.heads import HeadModel
 from specserve.engine.speculative.proposers.base import Proposal, ProposerContext, StatelessProposer
-from specserve.engine.speculative.proposers.kind import HeadKind
+from specserve.engine.speculative.proposers.mode import HeadMode
 
 
 class MtpProposer(StatelessProposer):
@@ -72,7 +72,7 @@ class MtpProposer(StatelessProposer):
         return [Proposal(c.kept(row)) for row, c in zip(drafted, contexts)]
 
 
-class MtpKind(HeadKind):
+class MtpMode(HeadMode):
     mode, deployment = "mtp", "MtpProposer"
     description = "a multi-token-prediction head read through the target's LM head"
     proposer = MtpProposer

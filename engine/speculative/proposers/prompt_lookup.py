@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from specserve.engine.config import SpeculativeConfig
 from specserve.engine.speculative.proposers.base import Proposal, Proposer, ProposerContext, StatelessProposer
-from specserve.engine.speculative.proposers.kind import ProposerKind
+from specserve.engine.speculative.proposers.mode import ProposerMode
 
 
 class PromptLookupProposer(StatelessProposer):
@@ -37,7 +37,7 @@ class PromptLookupProposer(StatelessProposer):
         return []
 
 
-class PromptLookupKind(ProposerKind):
+class PromptLookupMode(ProposerMode):
     mode = "prompt_lookup"
     description = "n-gram copy from the context (no model)"
 

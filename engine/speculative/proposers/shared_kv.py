@@ -29,7 +29,7 @@ from specserve.engine.kv.paged_cache import PagedKVCache
 from specserve.engine.model.bundle import Bundle
 from specserve.engine.model.heads import HeadModel
 from specserve.engine.speculative.proposers.base import Needs, Proposal, ProposerContext, SharedKvSlice, StatelessProposer
-from specserve.engine.speculative.proposers.kind import HeadKind, LoadedProposer
+from specserve.engine.speculative.proposers.mode import HeadMode, LoadedProposer
 from specserve.engine.speculative.rounds import Anchor
 
 
@@ -119,7 +119,7 @@ class SharedKvProposer(StatelessProposer):
         return [Proposal(c.kept(row)) for row, c in zip(drafted, contexts)]
 
 
-class SharedKvKind(HeadKind):
+class SharedKvMode(HeadMode):
     mode, deployment = "shared_kv", "SharedKvProposer"
     description = "a Gemma-4-style assistant reading the target's KV cache"
     proposer = SharedKvProposer

@@ -12,7 +12,7 @@ from typing import Sequence
 
 from specserve.engine.config import SpeculativeConfig
 from specserve.engine.speculative.proposers.base import AcceptContext, Proposal, Proposer, ProposerContext, StatelessProposer
-from specserve.engine.speculative.proposers.kind import ProposerKind
+from specserve.engine.speculative.proposers.mode import ProposerMode
 from specserve.engine.speculative.suffix_index import SuffixCache, SuffixParams, TokenIndex
 
 OWN = 0  # the request's own sequence id in its private index
@@ -69,7 +69,7 @@ class SuffixProposer(StatelessProposer):
             self.shared.add(self._tokens[self.prompt_len:])
 
 
-class SuffixKind(ProposerKind):
+class SuffixMode(ProposerMode):
     mode = "suffix"
     description = "suffix decoding over the request's own tokens and earlier outputs (no model)"
 

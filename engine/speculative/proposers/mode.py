@@ -1,10 +1,10 @@
-"""What a proposer kind is to the rest of specserve: how its proposers are made, what it
+"""What a proposer mode is to the rest of specserve: how its proposers are made, what it
 takes from the target, how its drafts are timed, and which Serve deployment hosts it.
 
-Each kind's own class lives beside its proposer (``PromptLookupKind`` in
-``prompt_lookup.py``, ``DraftModelKind`` in ``draft_model.py``, the heads' kinds in
+Each mode's own class lives beside its proposer (``PromptLookupMode`` in
+``prompt_lookup.py``, ``DraftModelMode`` in ``draft_model.py``, the heads' modes in
 ``mtp.py``, ``eagle3.py`` and ``shared_kv.py``); ``registry.py`` maps mode names to them.
-The defaults here are a model-free kind's: no model, nothing taken from the target.
+The defaults here are a model-free mode's: no model, nothing taken from the target.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from specserve.engine.speculative.rounds import Anchor
 
 @dataclass
 class LoadedProposer:
-    """A model-based kind, loaded: a factory of per-sequence proposers sharing one model."""
+    """A model-based mode, loaded: a factory of per-sequence proposers sharing one model."""
 
     mode: str
     new_proposer: Callable[[], Proposer]
@@ -37,23 +37,23 @@ class LoadedProposer:
         return model.decoder.vocab_size if isinstance(model, CachedDecoder) else model.embedder.table.shape[0]
 
 
-class ProposerKind:
+class ProposerMode:
     mode: ClassVar[str]
     deployment: ClassVar[str | None] = None  # the Serve deployment hosting it; None = runs inside the coordinator
     description: ClassVar[str]
 
     @property
     def in_coordinator(self) -> bool:
-        """Model-free kinds need only the committed tokens the coordinator holds: a hop
+        """Model-free modes need only the committed tokens the coordinator holds: a hop
         to another process would cost more than the proposal."""
         return self.deployment is None
 
     def provided_by(self, bundle: Bundle | None) -> bool:
-        """Whether ``bundle`` has what this kind needs (a model-free kind needs nothing)."""
+        """Whether ``bundle`` has what this mode needs (a model-free mode needs nothing)."""
         return self.in_coordinator
 
     def needs(self, bundle: Bundle, target_outputs: set[str] | None = None) -> Needs:
-        """What this kind takes from the target, checked against the target's outputs."""
+        """What this mode takes from the target, checked against the target's outputs."""
         return NO_NEEDS
 
     def default_num_drafts(self, speculative: SpeculativeConfig) -> int:
@@ -61,27 +61,27 @@ class ProposerKind:
         return speculative.num_speculative_tokens
 
     def coordinator_state(self, speculative: SpeculativeConfig) -> object | None:
-        """What this kind's proposers share across the requests of one coordinator (the
+        """What this mode's proposers share across the requests of one coordinator (the
         suffix cache), made once per ``DriverFactory``; None: nothing."""
         return None
 
     def local_proposer(self, speculative: SpeculativeConfig, num_drafts: int, prompt_len: int = 0,
                        shared: object | None = None) -> Proposer:
-        """A per-request proposer of a kind that runs inside the coordinator; ``shared``:
+        """A per-request proposer of a mode that runs inside the coordinator; ``shared``:
         its ``coordinator_state``."""
         raise ValueError(f"'{self.mode}' does not run inside the coordinator")
 
     def calibration_anchor(self, loaded: LoadedProposer, kv_len: int) -> Anchor:
-        """An anchor of the right shapes (zeros) for timing this kind's drafts: what a
+        """An anchor of the right shapes (zeros) for timing this mode's drafts: what a
         draft costs does not depend on the values it reads."""
         return Anchor()
 
     def load(self, bundle: Bundle, config: EngineConfig, target_vocab: int) -> LoadedProposer:
-        """Load this kind's model from the bundle (model-based kinds only)."""
+        """Load this mode's model from the bundle (model-based modes only)."""
         raise ModelLoadError(f"'{self.mode}' has no model to load")
 
 
-class HeadKind(ProposerKind):
+class HeadMode(ProposerMode):
     """A head: a small graph that restarts from the target's anchor (its hidden states)
     every pass, so it keeps nothing between rounds, a batched run steps every drafting
     sequence to the call's longest draft count, and there is nothing to catch up."""
