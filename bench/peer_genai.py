@@ -17,7 +17,7 @@ over specserve target-only (from step costs measured here), and the engine's per
 time against the raw onnxruntime session call of one decode step at the same past, and
 against a bare greedy loop over the same session (each call's presents fed back), both
 measured right after each target-only run -- on the graph the engine runs at batch 1
-(its in-place twin, ``engine.model.in_place``, where the bundle has one) and on the
+(its in-place graph, ``engine.model.in_place``, where the bundle has one) and on the
 standard graph. The twin's raw call is also timed right after each single target-only
 request, at that request's mean past, and the median of those per-request ratios printed:
 pairs ~0.1 s apart see the same machine speed. The ratio is taken over the raw calls'
@@ -144,7 +144,7 @@ def bare_loop_ms(engine: Engine, prompts: list[list[int]], new_tokens: int) -> f
 
 
 def raw_in_place_step_times(engine: Engine, past_len: int, runs: int = 200) -> list[float]:
-    """Ms of each of ``runs`` bare runs of the in-place twin: a 1-token step after
+    """Ms of each of ``runs`` bare runs of the in-place graph: a 1-token step after
     ``past_len`` slots of a preallocated buffer (each run writes the same slot), every
     output fetched; after 10 untimed runs."""
     twin = engine.target.in_place
@@ -169,7 +169,7 @@ def raw_in_place_step_ms(engine: Engine, past_len: int, runs: int = 200) -> floa
 
 
 def bare_in_place_loop_ms(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
-    """``bare_loop_ms`` on the in-place twin: prefill into a buffer, then one token a run,
+    """``bare_loop_ms`` on the in-place graph: prefill into a buffer, then one token a run,
     each written in place after the last."""
     twin = engine.target.in_place
     seconds, tokens = 0.0, 0
@@ -250,7 +250,7 @@ def run(args: argparse.Namespace) -> None:
     per_token: list[float] = []
     raw_steps: list[float] = []
     bare_loops: list[float] = []  # ms per token of a bare greedy loop, right after each target-only run
-    twin = engine.target.in_place is not None  # the engine runs batch-1 calls on the in-place twin
+    twin = engine.target.in_place is not None  # the engine runs batch-1 calls on the in-place graph
     raw_twin_steps: list[float] = []
     bare_twin_loops: list[float] = []
     paired: list[float] = []  # engine / raw twin call's mean, per prompt, each pair ~0.2 s apart
@@ -305,8 +305,8 @@ def run(args: argparse.Namespace) -> None:
     print(f"target-only per token: engine {engine_ms:.2f} ms; measured right after each target-only run "
           f"(1-token steps, past {mean_past} for the raw calls):")
     if twin:
-        against("the in-place twin's raw call (the graph the engine runs at batch 1)", raw_twin_steps)
-        against("a bare greedy loop on the in-place twin", bare_twin_loops)
+        against("the in-place graph's raw call (the graph the engine runs at batch 1)", raw_twin_steps)
+        against("a bare greedy loop on the in-place graph", bare_twin_loops)
         for label, ratios in (("mean", paired), ("median", paired_median)):
             quartiles = statistics.quantiles(ratios, n=4)
             print(f"  vs the twin's raw call, paired per request (48 raw calls right after each request, at its "

@@ -1,6 +1,6 @@
 """The calls the engine makes, timed in each of the default model's formats as the engine
 runs them (``CachedDecoder.feed_batch``: the fast format's in-place graph at every width
-and batch; the exact format's step twin, in-place twin and standard graph), in one run,
+and batch; the exact format's step graph, in-place graph and standard graph), in one run,
 interleaved; and the fast format's row invariance over thousands of positions.
 
     .venv/bin/python bench/target_formats.py [--past 128] [--runs 30] [--threads 2] [--record DIR]

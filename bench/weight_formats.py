@@ -7,7 +7,7 @@ Candidates (``modelbuild.from_gguf.weights``): ``fp32`` (every matrix dequantise
 ``q4_1`` (the file's Q4_1 blocks carried over exactly: ``MatMulNBits`` + block sums),
 ``q4_1 acc4`` (the same with int8 activations), ``int8`` (8-bit blocks, int8 activations).
 Shapes: the standard graph at batch 1 with 1, 2, 5, 9 and 17 new tokens (a decode step
-and verifies of 1, 4, 8 and 16 drafts), its in-place twin at batch 1 (IO binding, the
+and verifies of 1, 4, 8 and 16 drafts), its in-place graph at batch 1 (IO binding, the
 engine's batch-1 path) at the same widths, and batched verifies of 5 tokens at 4, 16
 and 32 sequences. Each cell is the median of ``--rounds`` calls, candidates taking turns
 within each round. Logit error: the largest |difference| from fp32's on a chat prompt.
@@ -37,7 +37,7 @@ BATCHES = (4, 16, 32)
 
 
 class Graphs:
-    """One candidate's standard graph and in-place twin, with feeds for a past of ``past``."""
+    """One candidate's standard graph and in-place graph, with feeds for a past of ``past``."""
 
     def __init__(self, target: Path, threads: int, past: int) -> None:
         options = ort.SessionOptions()

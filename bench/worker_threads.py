@@ -4,7 +4,7 @@ against two of half the size, on the default model, interleaved.
     .venv/bin/python bench/worker_threads.py [--batches 1 2 4 8 16 32] [--repeats 6] [--record DIR]
 
 A Serve replica's target worker runs its batched calls (the standard graph; batch-1 calls
-run the in-place twin) on one thread per CPU of its bundle, not spinning between runs
+run the in-place graph) on one thread per CPU of its bundle, not spinning between runs
 (``deployments/workers.py``). Each configuration here is the standard session of the
 target with a past of 120 tokens per sequence, stepping one token per sequence, timed as
 the median of ``--repeats`` rounds of 5 steps, the configurations taking turns:

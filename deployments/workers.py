@@ -48,7 +48,7 @@ from .step_merging import StepMerger
 
 log = logging.getLogger("specserve.workers")
 WORKER_BUNDLE = 1  # bundle 0 of a tick deployment's placement group is the replica shell's
-# Threads of the target's calls at batch 1 (its in-place twin, spinning within a run only)
+# Threads of the target's calls at batch 1 (its in-place graph, spinning within a run only)
 # unless the config sets ``in_place_threads``, capped by the node's cores. A batch-1 call is
 # a replica with one sequence, i.e. a light load, where cores beyond the reservation are
 # idle; at load, calls batch and keep to the reservation (docs/benchmarks/ measures both).

@@ -111,7 +111,7 @@ class EngineConfig(BaseModel):
         "intra-op threads of draft/head sessions: 1 runs them on the calling thread, so they never fight "
         "the target's thread pool for cores (a round alternates between the two)"))
     int8_heads: bool = Field(True, description=(
-        "on CPU, run a proposer head's int8 twin (model.int8.onnx beside its model.onnx, when present): its "
+        "on CPU, run a proposer head's int8 graph (model.int8.onnx beside its model.onnx, when present): its "
         "weight products in int8, a quarter of the bytes to read each step (docs/models.md measures the "
         "gain). Drafts change a little, output never: the target verifies every draft. On CUDA the float "
         "graph runs"))
@@ -137,7 +137,7 @@ class EngineConfig(BaseModel):
         "format's at any batch): one preallocated KV buffer per sequence that the session writes in place, so no "
         "call copies the past (docs/benchmarks/ measures the saving)"))
     in_place_threads: int | None = Field(None, ge=1, description=(
-        "onnxruntime threads of the target's in-place twin, which serves its calls at batch 1; None = "
+        "onnxruntime threads of the target's in-place graph, which serves its calls at batch 1; None = "
         "intra_op_threads. More than one makes them spin within a run (never after it) even where the target's "
         "threads otherwise sleep, as in a Serve replica's worker: there a lone sequence's calls (a lightly "
         "loaded replica) may use cores beyond the worker's reservation, and batched calls keep to it"))

@@ -358,7 +358,7 @@ def parity(reference: Path, candidate: Path, steps: int = 8) -> float:
 
 def in_place_parity(reference: Path, candidate: Path, verifies: int = 6, relative: bool = False) -> float:
     """Max |difference| of every output of the standard graph ``reference`` and its
-    in-place twin ``candidate`` (one shared buffer per layer through IO binding) over the
+    in-place graph ``candidate`` (one shared buffer per layer through IO binding) over the
     way one sequence is served: a prefill, then rounds of a 5-token verify rewound to
     between 1 and 4 accepted tokens, each followed by a 1-token step; and of the KV each
     leaves. ``relative``: each output's difference over its largest magnitude (a real
@@ -409,7 +409,7 @@ def in_place_parity(reference: Path, candidate: Path, verifies: int = 6, relativ
 
 
 def fuse_in_place(model_dir: Path, aux_layers: tuple[int, ...], tolerance: float = 1e-4) -> float:
-    """Replace ``model_dir/model.onnx`` by the fused graph, and write its in-place twin
+    """Replace ``model_dir/model.onnx`` by the fused graph, and write its in-place graph
     (``IN_PLACE_FILE``) beside it, if every output of each agrees within ``tolerance``
     with the graph it stands for; return the largest difference seen."""
     current, candidate = model_dir / "model.onnx", model_dir / "model.fused.onnx"
@@ -423,7 +423,7 @@ def fuse_in_place(model_dir: Path, aux_layers: tuple[int, ...], tolerance: float
     twin_diff = in_place_parity(current, twin)
     if twin_diff > tolerance:
         twin.unlink()
-        raise RuntimeError(f"in-place twin disagrees with {current}: max |diff| = {twin_diff:.2e}")
+        raise RuntimeError(f"in-place graph disagrees with {current}: max |diff| = {twin_diff:.2e}")
     return max(diff, twin_diff)
 
 
@@ -440,7 +440,7 @@ def main() -> None:
     parser.add_argument("--tolerance", type=float, default=1e-4)
     args = parser.parse_args()
     diff = fuse_in_place(args.model_dir, tuple(args.aux), args.tolerance)
-    print(f"{args.model_dir / 'model.onnx'} and {IN_PLACE_FILE}: fused graph and its in-place twin written "
+    print(f"{args.model_dir / 'model.onnx'} and {IN_PLACE_FILE}: fused graph and its in-place graph written "
           f"(max |diff| vs the graph it replaced = {diff:.2e})")
 
 

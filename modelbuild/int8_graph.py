@@ -1,4 +1,4 @@
-"""Write a head's int8 twin (``model.int8.onnx``): the same graph, whose weight products
+"""Write a head's int8 graph (``model.int8.onnx``): the same graph, whose weight products
 run as int8 matrix products, over the very same float16 weights file.
 
 Why: on CPU a head's step is a few small matrix-vector products, and its time is the
@@ -112,7 +112,7 @@ def _int8_product(node: onnx.NodeProto, k: int, n: int, prefix: str) -> list[onn
 
 
 def build_int8_graph(source: Path, out: Path) -> int:
-    """Write ``source``'s int8 twin to ``out`` (same directory: it reads the same external
+    """Write ``source``'s int8 graph to ``out`` (same directory: it reads the same external
     weights file); return how many products were quantized."""
     model = onnx.load(str(source), load_external_data=False)
     graph = model.graph
@@ -148,7 +148,7 @@ def write_int8_twin(head_dir: Path) -> int:
 
 
 def main() -> None:
-    """Write the int8 twin of each head directory given: ``python -m specserve.modelbuild.int8_graph
+    """Write the int8 graph of each head directory given: ``python -m specserve.modelbuild.int8_graph
     models/fixture/heads/eagle3 models/fixture/heads/shared_kv``. Needs only onnx (no torch, no retraining)."""
     import argparse
 

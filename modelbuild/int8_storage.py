@@ -1,6 +1,6 @@
-"""A head's weight matrices stored as int8 blocks: the numbers its int8 twin computes with.
+"""A head's weight matrices stored as int8 blocks: the numbers its int8 graph computes with.
 
-The heads in ``INT8_HEADS`` run their int8 twin on CPU (``int8_graph``), which quantizes
+The heads in ``INT8_HEADS`` run their int8 graph on CPU (``int8_graph``), which quantizes
 every weight product symmetrically in blocks of 32 along K. Storing the matrices already
 quantized that way halves their committed size (int8 plus one float16 scale per block,
 against float16) and changes nothing the twin computes: requantizing q·s finds the same

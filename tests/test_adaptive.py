@@ -766,7 +766,7 @@ def test_a_call_queued_behind_another_lanes_call_counts_from_when_the_worker_sta
 
 
 def test_the_verify_table_is_piecewise_between_its_measured_rows():
-    """At batch 1 a plain step runs the step twin and any wider call the verify graph: the
+    """At batch 1 a plain step runs the step graph and any wider call the verify graph: the
     cost jumps from 1 row to 2, then grows slowly. The table follows its measured points."""
     table = VerifyCostTable({(1, 1): 0.017, (1, 2): 0.026, (1, 5): 0.027, (4, 4): 0.04, (4, 20): 0.06})
     assert table.predict(1, 2) == pytest.approx(0.026)

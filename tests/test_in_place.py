@@ -1,4 +1,4 @@
-"""Calls at batch 1 on a model's in-place twin (``engine.model.in_place``) give what the
+"""Calls at batch 1 on a model's in-place graph (``engine.model.in_place``) give what the
 standard graph gives, through rewinds, batched calls in between and buffer growth, and
 a twin that does not match its graph is never used."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Heads' int8 twins (``model.int8.onnx``, ``modelbuild.int8_graph``): what the builder
+"""Heads' int8 graphs (``model.int8.onnx``, ``modelbuild.int8_graph``): what the builder
 writes, what it computes, which graph the engine runs, and that drafting from them keeps
 output identical and acceptance where the float heads have it."""
 from __future__ import annotations
@@ -100,7 +100,7 @@ def test_the_engine_runs_int8_twins_on_cpu_where_the_bundle_has_them(bundle_engi
 
 
 def test_float_and_int8_heads_both_keep_output_identical_and_accept_alike(bundle_engine, heldout_prompts):
-    """Drafts from the int8 twin differ a little from the float head's; output never does
+    """Drafts from the int8 graph differ a little from the float head's; output never does
     (greedy, token-identical to target-only either way), and first-draft acceptance stays
     within a few points of the float head's."""
     config = CPU_CONFIG.model_copy(update={"int8_heads": False,

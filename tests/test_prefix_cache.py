@@ -168,7 +168,7 @@ class SharingCacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), spare=st.integers(0, 5))
     def read_into_a_buffer(self, data, spare):
-        """What a call on the in-place twin does with a sequence that has no session copy
+        """What a call on the in-place graph does with a sequence that has no session copy
         (or replaces it): the past copied from the pools straight into its buffer."""
         sid = data.draw(st.sampled_from(sorted(self.tokens)))
         n = len(self.tokens[sid])

@@ -2,7 +2,7 @@
 
 Used for the target and for the draft model: ``feed`` runs new tokens after a
 sequence's cached past and appends their KV; rewinds go to ``cache.rewind``. Calls at
-batch 1 run on the model's in-place twin where it has one (``engine.model.in_place``).
+batch 1 run on the model's in-place graph where it has one (``engine.model.in_place``).
 """
 from __future__ import annotations
 
@@ -207,7 +207,7 @@ class CachedDecoder:
         return outputs
 
     def _twin_serves(self, request: FeedRequest) -> bool:
-        """Whether this batch-1 call runs on the in-place twin: where there is one, its
+        """Whether this batch-1 call runs on the in-place graph: where there is one, its
         positions are the slot indices, and either the decoder serves no other sequence or
         its sessions keep no thread pool spinning (one thread, or spinning off, as in a
         Serve replica). The standard session's pool spins after each batched call, and
@@ -218,7 +218,7 @@ class CachedDecoder:
                 and (self.in_place.batched or not self._pools_spin or self.cache.sequence_count == 1))
 
     def _feed_in_place(self, request: FeedRequest) -> SequenceOutput:
-        """``feed_batch`` at batch 1 on the in-place twin: the new tokens' KV lands in the
+        """``feed_batch`` at batch 1 on the in-place graph: the new tokens' KV lands in the
         sequence's buffer right after its live slots, and that buffer (views of it) becomes
         its session copy, so the next call, after a rewind or not, goes on in place. A new
         buffer, holding a copy of the live past, only where the session copy is no

@@ -9,7 +9,7 @@ A GGUF converts into two families over one weights file (``modelbuild.from_gguf`
   is computed alike whatever else the call holds, checked again at load
   (``InPlaceDecoder.row_invariance``).
 - ``exact``: the file's weights computed in float32 arithmetic: the standard graph, its
-  in-place twin at batch 1 and the single-token twin on the Q4_1 blocks
+  in-place graph at batch 1 and the step graph on the Q4_1 blocks
   (``engine.model.in_place``). Every other bundle (the fixture, a converted checkpoint)
   has only this family.
 

@@ -19,7 +19,7 @@ from specserve.engine.model.probe import probe_session
 from specserve.engine.model.providers import create_session, session_options
 
 log = logging.getLogger("specserve.engine")
-INT8_FILE = "model.int8.onnx"  # a head's int8 twin, beside model.onnx (``modelbuild.int8_graph``)
+INT8_FILE = "model.int8.onnx"  # a head's int8 graph, beside model.onnx (``modelbuild.int8_graph``)
 _logged_graphs: set[tuple[str, str]] = set()
 
 
@@ -86,7 +86,7 @@ class HeadModel:
     kind: str
     directory: Path
     config: dict
-    graph: Path  # the graph file the session runs: model.onnx, or its int8 twin
+    graph: Path  # the graph file the session runs: model.onnx, or its int8 graph
     session: object
     embedder: TokenEmbedder
     lm_head: LinearLmHead | None
@@ -133,7 +133,7 @@ _REQUIRED_INPUTS = {
 def load_head(kind: str, head_dir: str | Path, target_vocab: int, target_hidden: int, device: Device = "auto",
               intra_op_threads: int | None = None, int8: bool = True) -> HeadModel:
     """Load a head and check it against the target it will serve (hidden size, vocab).
-    ``int8``: on CPU, run the head's int8 twin (``INT8_FILE``) where the directory has one."""
+    ``int8``: on CPU, run the head's int8 graph (``INT8_FILE``) where the directory has one."""
     head_dir = Path(head_dir)
     config_path, onnx_path = head_dir / "config.json", head_dir / "model.onnx"
     for path in (config_path, onnx_path):
@@ -178,7 +178,7 @@ def load_head(kind: str, head_dir: str | Path, target_vocab: int, target_hidden:
 
 def _head_session(head_dir: Path, onnx_path: Path, device: Device, options: ort.SessionOptions,
                   int8: bool) -> tuple[ort.InferenceSession, Path]:
-    """The head's session and the graph it runs. The int8 twin is a CPU measure (a head's
+    """The head's session and the graph it runs. The int8 graph is a CPU measure (a head's
     step there is the time to read its weights, and a draft only has to be a good guess:
     the target verifies it); where CUDA loads, the float graph runs."""
     twin = head_dir / INT8_FILE

@@ -1,4 +1,4 @@
-"""Calls at batch 1 on the decoder's in-place twin: one preallocated KV buffer per
+"""Calls at batch 1 on the decoder's in-place graph: one preallocated KV buffer per
 sequence, past and present at once.
 
 The standard graph's attention returns ``present = past ++ new``: every call allocates
@@ -60,7 +60,7 @@ class KVBuffer:
     widths: dict[tuple[int, int], tuple[np.ndarray, list[tuple[np.ndarray, ort.OrtValue]], np.ndarray]] = field(
         default_factory=dict)
     bound_width: tuple[int, int] = (0, 0)  # the key whose arrays are bound now (bindings persist across runs)
-    step_binding: ort.IOBinding | None = None  # the single-token twin's, bound at its first run
+    step_binding: ort.IOBinding | None = None  # the step graph's, bound at its first run
 
     @property
     def capacity(self) -> int:
@@ -85,7 +85,7 @@ class InPlaceDecoder:
         # sequence: ``engine.model.row_buffers``), not batch 1 only.
         self.batched = batched
         self.session = self._session(path, intra_op_threads, thread_spinning)
-        self.step_session: ort.InferenceSession | None = None  # single-token calls, where there is a step twin
+        self.step_session: ort.InferenceSession | None = None  # single-token calls, where there is a step graph
         io = standard.io
         self.past_names = list(io.past_keys + io.past_values)
         self.present_names = list(io.present_keys + io.present_values)
@@ -112,7 +112,7 @@ class InPlaceDecoder:
              path: Path | None = None, step_path: Path | None = None, batched: bool = False
              ) -> "InPlaceDecoder | None":
         """The twin beside ``standard``'s graph (``path``, default ``IN_PLACE_FILE``; the
-        single-token twin ``step_path``, default ``STEP_FILE``), or None where there is
+        step graph ``step_path``, default ``STEP_FILE``), or None where there is
         none or it cannot serve: not on CPU, a graph that derives positions from the mask,
         names or outputs that differ, or a first run that disagrees with the standard
         graph (a stale twin; the standard graph then serves every call, which is slower,
@@ -121,7 +121,7 @@ class InPlaceDecoder:
         if not path.is_file():
             return None
         if standard.session.get_providers()[0] != "CPUExecutionProvider" or standard.io.position_ids is None:
-            log.info("%s not used: the in-place twin serves CPU sessions of graphs with position_ids", path)
+            log.info("%s not used: the in-place graph serves CPU sessions of graphs with position_ids", path)
             return None
         try:
             twin = cls(standard, path, intra_op_threads, thread_spinning, batched)
@@ -295,7 +295,7 @@ class InPlaceDecoder:
             binding.bind_ortvalue_output(name, value)
 
     def _bind_step(self, buffer: KVBuffer, ids: np.ndarray, outputs: list) -> ort.IOBinding:
-        """The single-token twin's binding of ``buffer``: its past and present are the same
+        """The step graph's binding of ``buffer``: its past and present are the same
         OrtValues, its input and outputs the buffer's width-1 arrays; bound once."""
         binding = self.step_session.io_binding()
         if not buffer._ort_values:

@@ -17,7 +17,7 @@ from specserve.engine.sched.cost_tables import DraftCostTable, VerifyCostTable
 CALIBRATION_BATCHES = (1, 4, 16, 32)
 CALIBRATION_ROWS = (1, 5)  # rows per sequence: a plain step, and a verify of 4 drafts
 # ... and at batch 1 a verify of 1 draft too. A lone sequence's plain step runs the target's
-# step twin where it has one (quantised weights, in place) and any wider call the verify
+# step graph where it has one (quantised weights, in place) and any wider call the verify
 # graph, so there the cost jumps from 1 row to 2 and then grows slowly: without the middle
 # point the table would price 1-3 drafts as a fraction of that jump
 # (docs/adaptive-speculation.md). Batched calls run one graph at every width.

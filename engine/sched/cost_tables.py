@@ -25,7 +25,7 @@ class VerifyCostTable:
     def _at(self, batch: int, rows: float) -> float:
         """Piecewise linear in rows through the measured points of one measured batch size,
         extended beyond them by the nearest segment. Not one line through the ends: at
-        batch 1 a single row runs the step twin and two rows already the verify graph, a
+        batch 1 a single row runs the step graph and two rows already the verify graph, a
         jump that a line from 1 to 5 rows would spread over every draft count
         (``sched.calibration``)."""
         points = self._points[batch]

@@ -6,7 +6,7 @@
   weights (``weights.py``); ``target/model.inplace.onnx``, its batch-1 twin; and
   ``target/model.inplace.step.onnx``, the twin for single-token calls in the format
   fastest there. All three read one ``model.onnx.data``. The default puts the graph and
-  twin in float32 and the single-token twin on the file's Q4_1 blocks: exact both ways,
+  twin in float32 and the step graph on the file's Q4_1 blocks: exact both ways,
   and each the fastest exact format for its calls (``docs/models.md``). Together they
   are the *exact* format;
 - ``target/model.fast.onnx`` and ``target/model.fast.inplace.onnx``: the *fast* format
@@ -66,7 +66,7 @@ def convert_gguf(gguf_path: Path, out: Path, weight_format: str = "fp32", accura
                  progress: Callable[[str], None] = print) -> BundleManifest:
     """Write the target of bundle ``out`` from ``gguf_path``; returns the manifest saved.
     ``weight_format`` serves every call of the exact format, except single-token calls
-    at batch 1 when ``step_format`` names another (None: no single-token twin);
+    at batch 1 when ``step_format`` names another (None: no step graph);
     ``fast`` adds the fast format's graphs."""
     started = time.perf_counter()
     step = lambda what: progress(f"[{time.perf_counter() - started:5.1f} s] {what}")  # noqa: E731
@@ -89,10 +89,10 @@ def convert_gguf(gguf_path: Path, out: Path, weight_format: str = "fp32", accura
     try:
         step(f"writing the {weight_format} graph")
         build_fused_decoder(target, target / "model.onnx", aux, weights=weights)
-        step("writing its in-place twin (batch 1)")
+        step("writing its in-place graph (batch 1)")
         build_fused_decoder(target, target / IN_PLACE_FILE, aux, in_place=True, weights=weights)
         if step_format:
-            step(f"writing the single-token twin in {step_format}")
+            step(f"writing the step graph in {step_format}")
             build_fused_decoder(target, target / STEP_FILE, aux, in_place=True,
                                 weights=GgufWeights(checkpoint, store, step_format))
         if fast and (config.get("model_type") != "llama" or config.get("rope_scaling")):

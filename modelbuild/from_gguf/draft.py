@@ -59,7 +59,7 @@ class DraftWeights(HalfSafetensors):
 
 
 def write_draft_graphs(bundle: Path) -> bool:
-    """Write ``draft/model.onnx`` and its in-place twin if the bundle has a committed draft
+    """Write ``draft/model.onnx`` and its in-place graph if the bundle has a committed draft
     checkpoint; False where it has none."""
     directory, target = bundle / "draft", bundle / "target"
     if not (directory / DRAFT_WEIGHTS).is_file():

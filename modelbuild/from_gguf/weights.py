@@ -16,7 +16,7 @@ one of three formats, chosen by measurement (``docs/models.md``):
   point (round to nearest): close to the file's weights, not equal.
 
 Everything is written once into one external-data file that the standard graph and its
-in-place twin both reference.
+in-place graph both reference.
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ TARGET = DEFAULT_MODEL_DIR / "target"
 NEW_TOKENS = 48
 # |logit| differences from transformers' float32 load: the weights are the same values, the
 # sums run in another order, and the residual stream reaches ~25 000, where float32 carries
-# ~2e-3 of absolute rounding. Measured: 1.4e-4 (float32 graph), 2.5e-4 (Q4_1 twin).
+# ~2e-3 of absolute rounding. Measured: 1.4e-4 (float32 graph), 2.5e-4 (step graph).
 LOGIT_TOLERANCE = 2e-3
 
 pytestmark = pytest.mark.skipif(not (TARGET / "model.onnx").is_file(),
@@ -55,7 +55,7 @@ def chat_prompts() -> list[list[int]]:
 def _ort_logits(graph: str, ids: list[int]) -> np.ndarray:
     """Logits of ``graph`` (one of the target's three) for ``ids`` in one call from an
     empty past: the standard graph directly; a twin through IO binding, as the engine
-    runs it, the step twin fed its single tokens after the standard twin's prefill."""
+    runs it, the step graph fed its single tokens after the standard twin's prefill."""
     import onnxruntime as ort
 
     from specserve.engine.model.onnx_model import OnnxDecoder
@@ -90,7 +90,7 @@ def test_each_graph_computes_transformers_logits_from_the_gguf(graph, transforme
 
 
 def test_greedy_decoding_is_transformers_greedy_on_held_out_chat_prompts(transformers_model, chat_prompts):
-    """Target-only through the engine in the exact format (its step twin serving the
+    """Target-only through the engine in the exact format (its step graph serving the
     single-token calls) against ``generate(do_sample=False)``: every prompt token-identical
     for 48 tokens or up to its end of turn (``<|im_end|>`` included on both sides). The
     fast format, the default, is measured against float32 in ``bench/fidelity.py``."""
