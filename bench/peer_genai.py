@@ -18,7 +18,7 @@ time against the raw onnxruntime session call of one decode step at the same pas
 against a bare greedy loop over the same session (each call's presents fed back), both
 measured right after each target-only run -- on the graph the engine runs at batch 1
 (its in-place graph, ``engine.model.in_place``, where the bundle has one) and on the
-standard graph. The twin's raw call is also timed right after each single target-only
+standard graph. The in-place graph's raw call is also timed right after each single target-only
 request, at that request's mean past, and the median of those per-request ratios printed:
 pairs ~0.1 s apart see the same machine speed. The ratio is taken over the raw calls'
 mean (the engine's per-token time is a mean: its decode time over its tokens) and over
@@ -147,18 +147,18 @@ def raw_in_place_step_times(engine: Engine, past_len: int, runs: int = 200) -> l
     """Ms of each of ``runs`` bare runs of the in-place graph: a 1-token step after
     ``past_len`` slots of a preallocated buffer (each run writes the same slot), every
     output fetched; after 10 untimed runs."""
-    twin = engine.target.in_place
-    buffer = twin.new_buffer(past_len + 64)
+    in_place = engine.target.in_place
+    buffer = in_place.new_buffer(past_len + 64)
     rng = np.random.default_rng(0)
     for array in buffer.keys + buffer.values:
         array[:, :, :past_len] = rng.standard_normal(array[:, :, :past_len].shape)
     one = np.array([[5]], np.int64)
     for _ in range(10):
-        twin.run(buffer, past_len, one)
+        in_place.run(buffer, past_len, one)
     times = []
     for _ in range(runs):
         started = time.perf_counter()
-        twin.run(buffer, past_len, one)
+        in_place.run(buffer, past_len, one)
         times.append(1000 * (time.perf_counter() - started))
     return times
 
@@ -171,23 +171,23 @@ def raw_in_place_step_ms(engine: Engine, past_len: int, runs: int = 200) -> floa
 def bare_in_place_loop_ms(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
     """``bare_loop_ms`` on the in-place graph: prefill into a buffer, then one token a run,
     each written in place after the last."""
-    twin = engine.target.in_place
+    in_place = engine.target.in_place
     seconds, tokens = 0.0, 0
     for prompt in prompts:
-        buffer = twin.new_buffer(len(prompt) + new_tokens)
-        logits, _ = twin.run(buffer, 0, np.array([prompt], np.int64))
+        buffer = in_place.new_buffer(len(prompt) + new_tokens)
+        logits, _ = in_place.run(buffer, 0, np.array([prompt], np.int64))
         past = len(prompt)
         started = time.perf_counter()
         for _ in range(new_tokens - 1):
-            logits, _ = twin.run(buffer, past, np.array([[int(np.argmax(logits[0, -1]))]], np.int64))
+            logits, _ = in_place.run(buffer, past, np.array([[int(np.argmax(logits[0, -1]))]], np.int64))
             past += 1
         seconds, tokens = seconds + time.perf_counter() - started, tokens + new_tokens - 1
     return 1000 * seconds / tokens
 
 
-def paired_twin_ratios(engine: Engine, prompts: list[list[int]], new_tokens: int
+def paired_in_place_ratios(engine: Engine, prompts: list[list[int]], new_tokens: int
                        ) -> tuple[list[float], list[float]]:
-    """Per prompt: the engine's target-only decode ms per token over the twin's raw call
+    """Per prompt: the engine's target-only decode ms per token over the in-place graph's raw call
     at that request's mean past, the raw calls timed right after the request (~0.1 s
     later), so both sides see the same machine speed: this VM drifts 10-25 % within
     minutes, and a ratio of figures taken seconds apart carries that drift.
@@ -250,10 +250,10 @@ def run(args: argparse.Namespace) -> None:
     per_token: list[float] = []
     raw_steps: list[float] = []
     bare_loops: list[float] = []  # ms per token of a bare greedy loop, right after each target-only run
-    twin = engine.target.in_place is not None  # the engine runs batch-1 calls on the in-place graph
-    raw_twin_steps: list[float] = []
-    bare_twin_loops: list[float] = []
-    paired: list[float] = []  # engine / raw twin call's mean, per prompt, each pair ~0.2 s apart
+    has_in_place = engine.target.in_place is not None  # the engine runs batch-1 calls on the in-place graph
+    raw_in_place_steps: list[float] = []
+    bare_in_place_loops: list[float] = []
+    paired: list[float] = []  # engine / raw in-place call's mean, per prompt, each pair ~0.2 s apart
     paired_median: list[float] = []  # the same over the raw calls' median
     mean_past = int(np.mean([len(p) for p in prompts])) + args.new_tokens // 2
     outputs: dict[str, list[list[int]]] = {}
@@ -270,10 +270,10 @@ def run(args: argparse.Namespace) -> None:
                 # minutes, so a raw figure taken at another time makes the ratio noise.
                 raw_steps.append(raw_step_ms(engine, mean_past, runs=100))
                 bare_loops.append(bare_loop_ms(engine, prompts, args.new_tokens))
-                if twin:
-                    raw_twin_steps.append(raw_in_place_step_ms(engine, mean_past, runs=100))
-                    bare_twin_loops.append(bare_in_place_loop_ms(engine, prompts, args.new_tokens))
-                    over_mean, over_median = paired_twin_ratios(engine, prompts, args.new_tokens)
+                if has_in_place:
+                    raw_in_place_steps.append(raw_in_place_step_ms(engine, mean_past, runs=100))
+                    bare_in_place_loops.append(bare_in_place_loop_ms(engine, prompts, args.new_tokens))
+                    over_mean, over_median = paired_in_place_ratios(engine, prompts, args.new_tokens)
                     paired.extend(over_mean)
                     paired_median.extend(over_median)
     peer.close()
@@ -304,12 +304,12 @@ def run(args: argparse.Namespace) -> None:
 
     print(f"target-only per token: engine {engine_ms:.2f} ms; measured right after each target-only run "
           f"(1-token steps, past {mean_past} for the raw calls):")
-    if twin:
-        against("the in-place graph's raw call (the graph the engine runs at batch 1)", raw_twin_steps)
-        against("a bare greedy loop on the in-place graph", bare_twin_loops)
+    if has_in_place:
+        against("the in-place graph's raw call (the graph the engine runs at batch 1)", raw_in_place_steps)
+        against("a bare greedy loop on the in-place graph", bare_in_place_loops)
         for label, ratios in (("mean", paired), ("median", paired_median)):
             quartiles = statistics.quantiles(ratios, n=4)
-            print(f"  vs the twin's raw call, paired per request (48 raw calls right after each request, at its "
+            print(f"  vs the in-place graph's raw call, paired per request (48 raw calls right after each request, at its "
                   f"mean past; over their {label}): median {statistics.median(ratios):.2f}x over {len(ratios)} "
                   f"requests (quartiles {quartiles[0]:.2f}-{quartiles[2]:.2f})")
     against("the standard graph's raw session call", raw_steps)

@@ -45,9 +45,9 @@ class Graphs:
         # Eight sessions take turns here: one whose pool spun on after its run would slow the next.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.standard = ort.InferenceSession(str(target / "model.onnx"), options, providers=["CPUExecutionProvider"])
-        self.twin = ort.InferenceSession(str(target / "model.inplace.onnx"), options, providers=["CPUExecutionProvider"])
+        self.in_place = ort.InferenceSession(str(target / "model.inplace.onnx"), options, providers=["CPUExecutionProvider"])
         self.pasts = [i for i in self.standard.get_inputs() if i.name.startswith("past_key_values.")]
-        self.outputs = [o.name for o in self.twin.get_outputs() if not o.name.startswith("present.")]
+        self.outputs = [o.name for o in self.in_place.get_outputs() if not o.name.startswith("present.")]
         self.past = past
         rng = np.random.default_rng(0)
         self.kv = {i.name: rng.standard_normal((1, i.shape[1], past, i.shape[3])).astype(np.float32) for i in self.pasts}
@@ -62,8 +62,8 @@ class Graphs:
                 **{n: np.repeat(v, batch, axis=0) if batch > 1 else v for n, v in self.kv.items()}}
         self.standard.run(None, feed)
 
-    def run_twin(self, width: int) -> None:
-        binding = self.twin.io_binding()
+    def run_in_place(self, width: int) -> None:
+        binding = self.in_place.io_binding()
         binding.bind_cpu_input("input_ids", np.ones((1, width), np.int64))
         binding.bind_cpu_input("attention_mask", np.ones((1, self.past + width), np.int64))
         for name in self.outputs:
@@ -71,7 +71,7 @@ class Graphs:
         for name, value in self.buffers.items():
             binding.bind_ortvalue_input(name, value)
             binding.bind_ortvalue_output(name.replace("past_key_values", "present"), value)
-        self.twin.run_with_iobinding(binding)
+        self.in_place.run_with_iobinding(binding)
 
     def logits(self, ids: list[int]) -> np.ndarray:
         feed = {"input_ids": np.array([ids]), "attention_mask": np.ones((1, len(ids)), np.int64),
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> None:
         error = {name: float(np.abs(g.logits(ids) - reference).max()) for name, g in graphs.items()}
 
         cells: list[tuple[str, callable]] = [(f"standard, 1 x {w}", (lambda g, w=w: g.run_standard(1, w))) for w in WIDTHS]
-        cells += [(f"twin, 1 x {w}", (lambda g, w=w: g.run_twin(w))) for w in WIDTHS]
+        cells += [(f"in place, 1 x {w}", (lambda g, w=w: g.run_in_place(w))) for w in WIDTHS]
         cells += [(f"standard, {b} x 5", (lambda g, b=b: g.run_standard(b, 5))) for b in BATCHES]
         cells += [(f"standard, {b} x 1", (lambda g, b=b: g.run_standard(b, 1))) for b in BATCHES]
         print(f"SmolLM2 weight formats, onnxruntime {ort.__version__}, {args.threads} threads, past {args.past}, "

@@ -109,7 +109,7 @@ def worker_config(engine_config: dict) -> EngineConfig:
     it gets as many threads as the CPUs Ray reserved for it (at least one). Threads that
     sleep between ops wake for every op, which makes a batched step about twice as slow,
     and threads that spin between runs too would starve the router (docs/design-decisions.md).
-    Calls at batch 1 (the twin's) get ``LONE_SEQUENCE_THREADS``: a lone sequence leaves
+    Calls at batch 1 (the in-place graph's) get ``LONE_SEQUENCE_THREADS``: a lone sequence leaves
     cores idle."""
     config = EngineConfig.model_validate(engine_config)
     update: dict = {"thread_spinning": {"always": True, "within_run": "within_run", "never": False}[

@@ -22,7 +22,7 @@ Weights stay float16 in ``model.safetensors`` (external data) behind a ``Cast``:
 onnxruntime folds the casts, transposes and concatenations of initializers once at
 session load, so nothing is cast per call and the committed bundle stays small.
 
-``in_place=True`` writes the graph's twin for calls at batch 1 (``model.inplace.onnx``,
+``in_place=True`` writes the graph's in-place graph for calls at batch 1 (``model.inplace.onnx``,
 run by ``engine.model.in_place``): ``GroupQueryAttention`` on the packed QKV projection,
 rotary inside it, whose past and present are one preallocated buffer per sequence
 (bound to both through IO binding), written in place at slot ``sum(attention_mask) -
@@ -46,7 +46,7 @@ from onnx import TensorProto, helper
 from .weights_file import IR_VERSION, WEIGHTS_FILE, aux_output_name, safetensors_offsets
 
 OPSET = 23  # the standard Attention op
-IN_PLACE_FILE = "model.inplace.onnx"  # the batch-1 twin (``in_place=True``), beside model.onnx
+IN_PLACE_FILE = "model.inplace.onnx"  # the in-place graph for batch 1 (``in_place=True``), beside model.onnx
 FUSED_IR_VERSION = max(IR_VERSION, 11)  # opset 23 needs IR >= 11; onnxruntime 1.31 reads <= 13
 MS = "com.microsoft"
 
@@ -191,7 +191,7 @@ def build_fused_decoder(model_dir: Path, out_path: Path, aux_layers: tuple[int, 
                         in_place: bool = False, weights: WeightSource | None = None) -> Path:
     """Write ``out_path`` for the Llama checkpoint in ``model_dir`` (config.json +
     model.safetensors); ``aux_layers`` adds ``aux_hidden.{j}``, the residual stream
-    entering layer j (HF ``hidden_states[j]``). ``in_place``: the batch-1 twin with one
+    entering layer j (HF ``hidden_states[j]``). ``in_place``: the in-place graph (batch 1) with one
     shared past/present buffer per sequence (module docstring)."""
     config, (hidden, layers, heads, kv_heads, head_dim, inter, vocab, eps) = read_llama_config(model_dir)
     weights = weights or HalfSafetensors(model_dir / WEIGHTS_FILE)
@@ -366,7 +366,7 @@ def in_place_parity(reference: Path, candidate: Path, verifies: int = 6, relativ
     import onnxruntime as ort
 
     reference_session = ort.InferenceSession(str(reference), providers=["CPUExecutionProvider"])
-    twin = ort.InferenceSession(str(candidate), providers=["CPUExecutionProvider"])
+    in_place = ort.InferenceSession(str(candidate), providers=["CPUExecutionProvider"])
     names = [o.name for o in reference_session.get_outputs() if not o.name.startswith("present.")]
     pasts = [i for i in reference_session.get_inputs() if i.name.startswith("past_key_values.")]
     vocab = reference_session.get_outputs()[0].shape[2]
@@ -380,7 +380,7 @@ def in_place_parity(reference: Path, candidate: Path, verifies: int = 6, relativ
         feed = {"input_ids": ids, "attention_mask": np.ones((1, length + ids.shape[1]), np.int64),
                 "position_ids": np.arange(length, length + ids.shape[1])[None], **past}
         ref = dict(zip([o.name for o in reference_session.get_outputs()], reference_session.run(None, feed)))
-        binding = twin.io_binding()
+        binding = in_place.io_binding()
         binding.bind_cpu_input("input_ids", ids)
         binding.bind_cpu_input("attention_mask", feed["attention_mask"])
         for name in names:
@@ -388,7 +388,7 @@ def in_place_parity(reference: Path, candidate: Path, verifies: int = 6, relativ
         for name, value in buffers.items():
             binding.bind_ortvalue_input(name, value)
             binding.bind_ortvalue_output(name.replace("past_key_values", "present"), value)
-        twin.run_with_iobinding(binding)
+        in_place.run_with_iobinding(binding)
         out = dict(zip(names, (v.numpy() for v in binding.get_outputs()[: len(names)])))
         diff = max(float(np.abs(ref[n] - out[n]).max()) / scale(ref[n]) for n in names)
         return diff, {i.name: ref[i.name.replace("past_key_values", "present")] for i in pasts}
@@ -419,17 +419,17 @@ def fuse_in_place(model_dir: Path, aux_layers: tuple[int, ...], tolerance: float
         candidate.unlink()
         raise RuntimeError(f"fused graph disagrees with {current}: max |diff| = {diff:.2e}")
     candidate.replace(current)
-    twin = build_fused_decoder(model_dir, model_dir / IN_PLACE_FILE, aux_layers, in_place=True)
-    twin_diff = in_place_parity(current, twin)
-    if twin_diff > tolerance:
-        twin.unlink()
-        raise RuntimeError(f"in-place graph disagrees with {current}: max |diff| = {twin_diff:.2e}")
-    return max(diff, twin_diff)
+    in_place = build_fused_decoder(model_dir, model_dir / IN_PLACE_FILE, aux_layers, in_place=True)
+    in_place_diff = in_place_parity(current, in_place)
+    if in_place_diff > tolerance:
+        in_place.unlink()
+        raise RuntimeError(f"in-place graph disagrees with {current}: max |diff| = {in_place_diff:.2e}")
+    return max(diff, in_place_diff)
 
 
 def main() -> None:
     """Rewrite a bundle model's ``model.onnx`` as the fused graph, and write its in-place
-    twin beside it, after checking them against the graph they replace: ``python -m specserve.modelbuild.fused_graph models/fixture/target
+    in-place graph beside it, after checking them against the graph they replace: ``python -m specserve.modelbuild.fused_graph models/fixture/target
     --aux 2 8 13``. Needs only onnx and onnxruntime (no torch, no retraining)."""
     import argparse
 

@@ -12,7 +12,7 @@ from specserve.engine.model.manifest import HeadEntry, TrainingRecord
 
 from .export import WEIGHTS_FILE, aux_output_name, save_checkpoint
 from .heads import (Eagle3Head, MtpHead, SharedKvAssistant, export_head, heldout_agreement, train_heads)
-from .int8_graph import INT8_HEADS, write_int8_twin
+from .int8_graph import INT8_HEADS, write_int8_graph
 from .llama import LlamaForCausalLM
 from .train import TokenWindows
 
@@ -110,7 +110,7 @@ def build_heads(out: Path, target: LlamaForCausalLM, train_tokens: np.ndarray, h
             np.save(directory / "d2t.npy", (draft_ids_np - np.arange(DRAFT_VOCAB)).astype(np.int64))
         diff = _check_export(kind, head, directory / "model.onnx", shape.hidden_size, shape.num_kv_heads, shape.head_dim)
         if kind in INT8_HEADS:
-            write_int8_twin(directory)
+            write_int8_graph(directory)
         print(f"  {kind}: held-out top-1 agreement per draft step {agreement[kind]} "
               f"(onnxruntime vs torch max |d| = {diff:.1e})")
         entries[kind] = HeadEntry(kind=kind, directory=f"heads/{kind}", onnx="model.onnx", weights=WEIGHTS_FILE,

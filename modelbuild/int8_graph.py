@@ -31,7 +31,7 @@ in-process at one stream, k = 4, 12 held-out prompts x 5 alternating passes: sha
 1.07x -> 1.38x target-only (first-draft acceptance 0.661 -> 0.652), EAGLE-3 1.35x ->
 1.52x (0.611 -> 0.617). MTP's head showed no clear gain (fixed k 1.31x -> 1.38x,
 adaptive 1.36x -> 1.30x, same bench: its graph holds 3 MB of weights, and its LM head,
-the target's 4 MB, runs outside it), so it gets no twin: ``INT8_HEADS``.
+the target's 4 MB, runs outside it), so it gets no int8 graph: ``INT8_HEADS``.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ from .weights_file import IR_VERSION
 
 MS = "com.microsoft"
 
-INT8_HEADS = ("eagle3", "shared_kv")  # where the twin measured faster (module docstring)
+INT8_HEADS = ("eagle3", "shared_kv")  # where the int8 graph measured faster (module docstring)
 BLOCK = 32  # weights along K quantized in blocks of this many, each with its own scale
 _WEIGHT_PATH_OPS = ("Cast", "Transpose")
 _MAX, _MIN, _EPS, _ZERO = "int8.max", "int8.min", "int8.eps", "int8.zero_point"
@@ -142,7 +142,7 @@ def build_int8_graph(source: Path, out: Path) -> int:
     return count
 
 
-def write_int8_twin(head_dir: Path) -> int:
+def write_int8_graph(head_dir: Path) -> int:
     """``head_dir/model.onnx`` -> ``head_dir/INT8_FILE``; how many products were quantized."""
     return build_int8_graph(head_dir / "model.onnx", head_dir / INT8_FILE)
 
@@ -155,7 +155,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("head_dirs", type=Path, nargs="+")
     for head_dir in parser.parse_args().head_dirs:
-        print(f"{head_dir / INT8_FILE}: {write_int8_twin(head_dir)} weight products as int8")
+        print(f"{head_dir / INT8_FILE}: {write_int8_graph(head_dir)} weight products as int8")
 
 
 if __name__ == "__main__":

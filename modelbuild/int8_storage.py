@@ -3,7 +3,7 @@
 The heads in ``INT8_HEADS`` run their int8 graph on CPU (``int8_graph``), which quantizes
 every weight product symmetrically in blocks of 32 along K. Storing the matrices already
 quantized that way halves their committed size (int8 plus one float16 scale per block,
-against float16) and changes nothing the twin computes: requantizing q·s finds the same
+against float16) and changes nothing the int8 graph computes: requantizing q·s finds the same
 block maxima and the same q. The float graph (GPU, ``int8_heads: false``) computes with
 the dequantized q·s; a draft is only a guess the target verifies, so the head's precision
 is its own business (the held-out agreement with and without is in ``docs/models.md``).
@@ -24,7 +24,7 @@ DEQUANT_PREFIX = "dequant/"
 
 
 def quantize_blocks(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``[N, K]`` -> (int8 ``[N, K]``, float16 scales ``[N, K / 32]``), as the twin quantizes."""
+    """``[N, K]`` -> (int8 ``[N, K]``, float16 scales ``[N, K / 32]``), as the int8 graph quantizes."""
     n, k = weight.shape
     blocks = weight.astype(np.float32).reshape(n, k // BLOCK, BLOCK)
     scale = (np.maximum(np.abs(blocks).max(-1, keepdims=True), 1e-12) / 127).astype(np.float16).astype(np.float32)

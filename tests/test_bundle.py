@@ -139,7 +139,7 @@ def test_served_graphs_are_what_the_fused_graph_builder_writes_from_the_checkpoi
 
 
 @pytest.mark.parametrize("role", ["target", "draft"])
-def test_in_place_twins_are_what_the_builder_writes_and_compute_what_the_served_graphs_do(role, manifest, tmp_path):
+def test_in_place_graphs_are_what_the_builder_writes_and_compute_what_the_served_graphs_do(role, manifest, tmp_path):
     """``model.inplace.onnx`` (``engine.model.in_place``) is the builder's graph, node for
     node, and agrees with the served graph over prefill, verifies, rewinds and steps."""
     import onnx

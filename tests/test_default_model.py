@@ -138,7 +138,7 @@ def test_served_chat_names_the_model_and_matches_the_engine_in_every_mode(served
 
 
 def test_served_every_mode_at_1_and_32_streams_is_the_engines_target_only(served, default_engine, chats):
-    """The fast format (the default) through the server; the exact format's twin of this
+    """The fast format (the default) through the server; the exact format's counterpart of this
     test is in test_target_formats.py."""
     served_every_mode(served, default_engine, chats[:8], streams=32, new_tokens=24)
 

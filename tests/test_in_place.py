@@ -1,6 +1,6 @@
 """Calls at batch 1 on a model's in-place graph (``engine.model.in_place``) give what the
 standard graph gives, through rewinds, batched calls in between and buffer growth, and
-a twin that does not match its graph is never used."""
+an in-place graph that does not match its standard graph is never used."""
 from __future__ import annotations
 
 import json
@@ -30,7 +30,7 @@ def test_buffer_capacity_leaves_room_in_whole_steps_within_the_context():
 
 @pytest.mark.parametrize("model_dir", [TARGET_DIR, DRAFT_DIR], ids=["target", "draft"])
 def test_in_place_calls_match_the_standard_graph_through_rewinds_batches_and_growth(model_dir):
-    """Sequence "a" decodes alone on the twin, with a second sequence "b" joining it twice
+    """Sequence "a" decodes alone on the in-place graph, with a second sequence "b" joining it twice
     for a batched call (and a batch-1 call of each while both are there, which the
     standard graph serves: two spinning thread pools must not alternate)."""
     in_place, standard = CachedDecoder(model_dir, CPU_CONFIG), CachedDecoder(model_dir, STANDARD)
@@ -54,11 +54,11 @@ def test_in_place_calls_match_the_standard_graph_through_rewinds_batches_and_gro
 
     add("a", 30)
     length = 30
-    previous, after_batch, grew, on_twin = in_place.cache.kept_session("a").buffer, False, 0, 1
+    previous, after_batch, grew, on_in_place = in_place.cache.kept_session("a").buffer, False, 0, 1
     for round_ in range(100):  # "a" outgrows its buffer (128 slots after its prefill) and the next
         drafts = [rng.randrange(vocab) for _ in range(5)]
         both([FeedRequest("a", drafts, length)])
-        on_twin += 1
+        on_in_place += 1
         buffer = in_place.cache.kept_session("a").buffer
         if buffer is not previous:  # a new buffer only after a batched call's row, or to grow
             assert after_batch or length + 5 > previous.capacity
@@ -88,13 +88,13 @@ def test_in_place_calls_match_the_standard_graph_through_rewinds_batches_and_gro
         np.testing.assert_allclose(v1, v2, atol=1e-4)
     for got, want in zip(in_place.cache.slice("a", layer), standard.cache.slice("a", layer)):
         np.testing.assert_allclose(got, want, atol=1e-4)
-    assert in_place.in_place.calls - calls_at_load == on_twin == 101  # "a"'s prefill and every round alone
+    assert in_place.in_place.calls - calls_at_load == on_in_place == 101  # "a"'s prefill and every round alone
     # The prefill, the 2 rounds after a batched call, the growths; every other round in place.
     assert in_place.buffers_made == 1 + 2 + grew
 
 
 def test_a_slice_of_an_in_place_sequence_is_a_read_only_view_the_later_rounds_leave_alone():
-    """What a shared-KV head reads of a sequence on the twin is a view of its buffer, not
+    """What a shared-KV head reads of a sequence on the in-place graph is a view of its buffer, not
     a copy (the head copies it into its padded batch anyway): read only, and the rounds
     after it -- drafts written past its end and rewound -- never change it."""
     decoder = CachedDecoder(TARGET_DIR, CPU_CONFIG)
@@ -116,7 +116,7 @@ def test_a_slice_of_an_in_place_sequence_is_a_read_only_view_the_later_rounds_le
 
 
 @pytest.mark.parametrize("mode", ["none", "eagle3", "draft_model"])
-def test_engine_output_is_the_same_with_and_without_the_twin(mode, heldout_prompts):
+def test_engine_output_is_the_same_with_and_without_the_in_place_graph(mode, heldout_prompts):
     options = GenerationOptions(max_new_tokens=40, ignore_eos=True, speculative_mode=mode, logprobs=True)
     results = {}
     for name, config in (("in place", CPU_CONFIG), ("standard", STANDARD)):
@@ -139,15 +139,15 @@ def _copy_model(tmp_path):
     return tmp_path
 
 
-def test_a_model_without_a_twin_runs_the_standard_graph(tmp_path):
+def test_a_model_without_an_in_place_graph_runs_the_standard_graph(tmp_path):
     decoder = CachedDecoder(_copy_model(tmp_path), CPU_CONFIG)
     assert decoder.in_place is None
     decoder.cache.add_sequence(0)
     assert decoder.feed(0, [1, 2, 3], 0).logits.shape[0] == 3
 
 
-def test_a_twin_that_disagrees_with_its_graph_is_not_used(tmp_path, caplog):
-    """A stale twin (here: built with another rotary base) must not serve: the standard
+def test_an_in_place_graph_that_disagrees_with_its_graph_is_not_used(tmp_path, caplog):
+    """A stale in-place graph (here: built with another rotary base) must not serve: the standard
     graph does, and the log says why."""
     model = _copy_model(tmp_path)
     config = json.loads((model / "config.json").read_text())
@@ -168,7 +168,7 @@ def test_a_sliding_window_or_the_switch_keeps_the_standard_graph():
 
 @pytest.mark.parametrize("change", [{"intra_op_threads": 1}, {"thread_spinning": False}],
                          ids=["one thread", "no spinning"])
-def test_without_a_spinning_pool_the_twin_serves_batch_1_calls_among_other_sequences(change):
+def test_without_a_spinning_pool_the_in_place_graph_serves_batch_1_calls_among_other_sequences(change):
     """No pool spinning after its runs, nothing to fight over: a one-thread decoder (the
     draft model's, by default) or one that does not spin (a Serve replica's) runs every
     batch-1 call in place, however many sequences it holds; a spinning one does not."""
@@ -195,7 +195,7 @@ def _pool(session) -> tuple[int, str | None, str | None]:
             entry("session.force_spinning_stop"))
 
 
-def test_in_place_threads_give_the_twin_its_own_pool_spinning_only_within_a_run():
+def test_in_place_threads_give_the_in_place_graph_its_own_pool_spinning_only_within_a_run():
     """A Serve replica's worker: one sleeping thread for batched calls (its reservation),
     ``in_place_threads`` for its batch-1 calls, spinning within a run (threads that sleep
     between ops wake for every one), never after it."""
@@ -203,7 +203,7 @@ def test_in_place_threads_give_the_twin_its_own_pool_spinning_only_within_a_run(
     decoder = CachedDecoder(DRAFT_DIR, worker)
     assert _pool(decoder.in_place.session) == (2, None, "1")
     assert _pool(decoder.decoder.session) == (1, "0", None)
-    # Unset, the twin takes the target's own threads and spinning.
+    # Unset, the in-place graph takes the target's own threads and spinning.
     asleep = CachedDecoder(DRAFT_DIR, worker.model_copy(update={"in_place_threads": None, "intra_op_threads": 2}))
     assert _pool(asleep.in_place.session) == (2, "0", None)
 
@@ -220,7 +220,7 @@ def test_a_workers_batch_1_calls_get_two_threads_unless_configured():
     assert worker_config({"intra_op_threads": 2, "thread_spinning": False}).spinning(owns_cores=False) == "never"
 
 
-def test_a_twin_onnxruntime_cannot_load_is_not_used(tmp_path, caplog):
+def test_an_in_place_graph_onnxruntime_cannot_load_is_not_used(tmp_path, caplog):
     model = _copy_model(tmp_path)
     (model / IN_PLACE_FILE).write_bytes(b"not an onnx graph")
     with caplog.at_level(logging.WARNING, logger="specserve.engine"):

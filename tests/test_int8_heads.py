@@ -14,17 +14,17 @@ from specserve.engine.speculative.stats import SpeculativeStats
 from .conftest import CPU_CONFIG, MODELS
 
 onnx = pytest.importorskip("onnx")
-from specserve.modelbuild.int8_graph import INT8_HEADS, build_int8_graph, write_int8_twin  # noqa: E402  (needs onnx)
+from specserve.modelbuild.int8_graph import INT8_HEADS, build_int8_graph, write_int8_graph  # noqa: E402  (needs onnx)
 
 
 @pytest.mark.parametrize("kind", INT8_HEADS)
-def test_committed_int8_twins_are_what_the_builder_writes(kind, tmp_path):
-    """A stale or hand-edited twin fails here: rebuilt from the committed float graph,
+def test_committed_int8_graphs_are_what_the_builder_writes(kind, tmp_path):
+    """A stale or hand-edited int8 graph fails here: rebuilt from the committed float graph,
     node for node the same graph."""
     head_dir = MODELS / "heads" / kind
     (tmp_path / "model.onnx").write_bytes((head_dir / "model.onnx").read_bytes())
     (tmp_path / "model.safetensors").write_bytes((head_dir / "model.safetensors").read_bytes())
-    write_int8_twin(tmp_path)
+    write_int8_graph(tmp_path)
     graphs = [onnx.load(str(path), load_external_data=False).graph.SerializeToString()
               for path in (head_dir / INT8_FILE, tmp_path / INT8_FILE)]
     assert graphs[0] == graphs[1]
@@ -50,7 +50,7 @@ def _tiny_graph(path, weight16: np.ndarray) -> None:
     onnx.save(model, str(path))
 
 
-def test_the_twin_quantizes_weight_products_in_blocks_row_by_row_and_leaves_activation_products_float(tmp_path):
+def test_the_int8_graph_quantizes_weight_products_in_blocks_row_by_row_and_leaves_activation_products_float(tmp_path):
     rng = np.random.default_rng(0)
     # Columns of very different scales: a scale per block keeps each within int8's
     # resolution (one scale for the whole weight would round the small ones to zero).
@@ -91,7 +91,7 @@ def test_a_graph_without_weight_products_is_refused(tmp_path):
         build_int8_graph(tmp_path / "plain.onnx", tmp_path / "out.onnx")
 
 
-def test_the_engine_runs_int8_twins_on_cpu_where_the_bundle_has_them(bundle_engine):
+def test_the_engine_runs_int8_graphs_on_cpu_where_the_bundle_has_them(bundle_engine):
     graphs = {mode: bundle_engine.proposers[mode].model.graph.name for mode in ("mtp", "eagle3", "shared_kv")}
     assert graphs == {"mtp": "model.onnx", **{kind: INT8_FILE for kind in INT8_HEADS}}
     vocab, hidden = bundle_engine.target.decoder.vocab_size, bundle_engine.target.decoder.config["hidden_size"]
@@ -121,7 +121,7 @@ def test_float_and_int8_heads_both_keep_output_identical_and_accept_alike(bundle
             assert first["int8"] > first["float"] - 0.06, (kind, first)
 
 
-def test_a_damaged_twin_is_logged_and_the_float_graph_runs(bundle_engine, tmp_path, caplog):
+def test_a_damaged_int8_graph_is_logged_and_the_float_graph_runs(bundle_engine, tmp_path, caplog):
     head_dir = tmp_path / "heads" / "shared_kv"
     head_dir.mkdir(parents=True)
     for name in ("config.json", "model.onnx", "model.safetensors"):
@@ -154,10 +154,10 @@ def _stored_int8_graph(path, q: np.ndarray, scale: np.ndarray) -> None:
     onnx.save(model, str(path))
 
 
-def test_a_weight_stored_as_int8_blocks_is_what_the_twin_computes_with_and_the_float_graph_dequantizes():
-    """A head served as int8 on CPU may store its matrices as the twin's own int8 blocks
-    (half the bytes of float16): the float graph computes with q * s, and the twin built
-    over it finds the very same q, so its output is bit for bit the twin of a float q * s."""
+def test_a_weight_stored_as_int8_blocks_is_what_the_int8_graph_computes_with_and_the_float_graph_dequantizes():
+    """A head served as int8 on CPU may store its matrices as the int8 graph's own int8 blocks
+    (half the bytes of float16): the float graph computes with q * s, and the int8 graph
+    built over it finds the very same q, so its output is bit for bit that of a float q * s."""
     import tempfile
     from pathlib import Path
 
@@ -192,8 +192,8 @@ def test_the_default_models_int8_served_heads_store_their_matrices_as_int8_block
         dtypes = safetensors_dtypes(head_dir / "model.safetensors")
         matrices = [name for name, dtype in dtypes.items() if dtype == "I8"]
         assert matrices and all(dtypes[name + SCALE_SUFFIX] == "F16" for name in matrices), kind
-        twin = onnx.load(str(head_dir / INT8_FILE), load_external_data=False)
+        int8_model = onnx.load(str(head_dir / INT8_FILE), load_external_data=False)
         float_graph = onnx.load(str(head_dir / "model.onnx"), load_external_data=False)
         weight_products = sum(n.op_type == "MatMul" for n in float_graph.graph.node) - sum(
-            n.op_type == "MatMul" for n in twin.graph.node)
-        assert weight_products == sum(n.op_type == "MatMulNBits" for n in twin.graph.node) >= len(matrices), kind
+            n.op_type == "MatMul" for n in int8_model.graph.node)
+        assert weight_products == sum(n.op_type == "MatMulNBits" for n in int8_model.graph.node) >= len(matrices), kind

@@ -91,12 +91,12 @@ class CachedDecoder:
                                   dtype=self.decoder.kv_dtype, sliding_window=self.config.sliding_window,
                                   sink_tokens=self.config.sink_tokens, prefix_caching=self.config.caches_prefixes)
         self.batch_layouts = BatchLayouts(self.cache)
-        self.in_place = None  # the batch-1 twin (any batch in a row-invariant family), where it serves
+        self.in_place = None  # the in-place graph, batch 1 (any batch in a row-invariant family), where it serves
         # Whether this decoder's sessions keep a thread pool spinning after each run.
         self._pools_spin = spinning == "always" and self.config.intra_op_threads != 1
         if self.config.in_place_kv and self.config.sliding_window is None:
             threads = self.config.in_place_threads or self.config.intra_op_threads
-            # Several twin threads that sleep between ops wake for every op, which is slower
+            # Several in-place threads that sleep between ops wake for every op, which is slower
             # than spinning: where they would, they spin within a run instead.
             spins = spinning != "never" or (self.config.in_place_threads or 1) > 1
             directory = Path(model_dir)
@@ -160,7 +160,7 @@ class CachedDecoder:
             if self.row_buffers is not None and all(r.first_position == self.cache.length(r.seq_id) for r in requests):
                 return self._feed_rows(requests)
             return self._feed_batched(requests)
-        if session_layout and self._twin_serves(requests[0]):
+        if session_layout and self._in_place_serves(requests[0]):
             return [self._feed_in_place(requests[0])]
         return self._feed_padded(requests, session_layout)
 
@@ -206,13 +206,13 @@ class CachedDecoder:
                                           {name: value[i, : new_lens[i]] for name, value in out.extras.items()}))
         return outputs
 
-    def _twin_serves(self, request: FeedRequest) -> bool:
+    def _in_place_serves(self, request: FeedRequest) -> bool:
         """Whether this batch-1 call runs on the in-place graph: where there is one, its
         positions are the slot indices, and either the decoder serves no other sequence or
         its sessions keep no thread pool spinning (one thread, or spinning off, as in a
         Serve replica). The standard session's pool spins after each batched call, and
-        when twin and standard calls alternate on their own cores -- a batched verify, a
-        prefill on the twin, the next verify -- the two fight over them (docs/design-decisions.md
+        when in-place and standard calls alternate on their own cores -- a batched verify, a
+        prefill on the in-place graph, the next verify -- the two fight over them (docs/design-decisions.md
         measures what that costs)."""
         return (self.in_place is not None and request.first_position == self.cache.length(request.seq_id)
                 and (self.in_place.batched or not self._pools_spin or self.cache.sequence_count == 1))

@@ -181,15 +181,15 @@ def _head_session(head_dir: Path, onnx_path: Path, device: Device, options: ort.
     """The head's session and the graph it runs. The int8 graph is a CPU measure (a head's
     step there is the time to read its weights, and a draft only has to be a good guess:
     the target verifies it); where CUDA loads, the float graph runs."""
-    twin = head_dir / INT8_FILE
-    if int8 and twin.is_file():
+    int8_path = head_dir / INT8_FILE
+    if int8 and int8_path.is_file():
         try:
-            session = create_session(str(twin), device, options)
-        except Exception as error:  # a damaged twin, or an onnxruntime without its kernels
-            log.warning("%s: not used (%s); the head runs %s", twin, error, onnx_path.name)
+            session = create_session(str(int8_path), device, options)
+        except Exception as error:  # a damaged int8 graph, or an onnxruntime without its kernels
+            log.warning("%s: not used (%s); the head runs %s", int8_path, error, onnx_path.name)
         else:
             if "CUDAExecutionProvider" not in session.get_providers():
-                return session, twin
+                return session, int8_path
     return create_session(str(onnx_path), device, options), onnx_path
 
 

@@ -3,14 +3,14 @@ sequence, past and present at once.
 
 The standard graph's attention returns ``present = past ++ new``: every call allocates
 each layer's whole past again and copies it, and a rewind leaves dead slots that later
-calls still carry. Its twin (``model.inplace.onnx``, written by
+calls still carry. Its in-place graph (``model.inplace.onnx``, written by
 ``modelbuild.fused_graph``) runs ``GroupQueryAttention`` on a buffer of ``capacity``
 slots per layer that is bound through IO binding as both the past input and the present
 output, so the call writes only its new tokens' KV, at slot ``length``, and a rewind is a
 shorter ``length`` -- what onnxruntime-genai does with ``past_present_share_buffer``.
 It saves the copies at 1 and 5 new tokens alike (docs/benchmarks/ measures the saving).
 
-A bundle may carry a second twin for single-token calls (``model.inplace.step.onnx``)
+A bundle may carry a step graph for single-token calls (``model.inplace.step.onnx``)
 on weights that are faster there: a converted GGUF's Q4_1 blocks run a decode step in
 0.7x float32's time and every multi-token call slower (``docs/models.md``). It reads and
 writes the same buffers, so a sequence's calls alternate between the two freely.
@@ -33,7 +33,7 @@ from specserve.engine.model.onnx_model import _ORT_DTYPES, OnnxDecoder
 from specserve.engine.model.providers import session_options
 
 IN_PLACE_FILE = "model.inplace.onnx"  # written beside model.onnx by modelbuild.fused_graph
-STEP_FILE = "model.inplace.step.onnx"  # optional: the twin of single-token calls (modelbuild.from_gguf)
+STEP_FILE = "model.inplace.step.onnx"  # optional: the step graph of single-token calls (modelbuild.from_gguf)
 LOGITS_FROM = "logits_from"            # optional input [1]: logits of new tokens from this one on (a prefill: the last)
 CAPACITY_STEP = 64                    # buffers grow in whole steps of this many slots
 CHECK_TOLERANCE = 1e-3                # load-time agreement with the standard graph (logits)
@@ -42,7 +42,7 @@ log = logging.getLogger("specserve.engine")
 
 @dataclass(eq=False)
 class KVBuffer:
-    """One sequence's past for the twin: per layer ``[1, kv_heads, capacity, head_dim]``,
+    """One sequence's past for the in-place graph: per layer ``[1, kv_heads, capacity, head_dim]``,
     slots ``[0, length)`` real (the cache knows ``length``); the same memory is bound as
     the session's past and present, so runs write into it. The arrays may be one row of a
     batch's buffer (``engine.model.row_buffers``): they are views then, and the binding
@@ -75,7 +75,7 @@ def buffer_capacity(needed: int, limit: int) -> int:
 
 
 class InPlaceDecoder:
-    """The twin's session, and buffers bound to it."""
+    """The in-place graph's session, and buffers bound to it."""
 
     def __init__(self, standard: OnnxDecoder, path: Path, intra_op_threads: int | None,
                  thread_spinning: bool, batched: bool = False) -> None:
@@ -111,12 +111,12 @@ class InPlaceDecoder:
     def load(cls, standard: OnnxDecoder, intra_op_threads: int | None, thread_spinning: bool,
              path: Path | None = None, step_path: Path | None = None, batched: bool = False
              ) -> "InPlaceDecoder | None":
-        """The twin beside ``standard``'s graph (``path``, default ``IN_PLACE_FILE``; the
+        """The in-place graph beside ``standard``'s graph (``path``, default ``IN_PLACE_FILE``; the
         step graph ``step_path``, default ``STEP_FILE``), or None where there is
         none or it cannot serve: not on CPU, a graph that derives positions from the mask,
         names or outputs that differ, or a first run that disagrees with the standard
-        graph (a stale twin; the standard graph then serves every call, which is slower,
-        never wrong). ``batched``: the twin serves batches too (a row-invariant family)."""
+        graph (a stale in-place graph; the standard graph then serves every call, which is slower,
+        never wrong). ``batched``: the in-place graph serves batches too (a row-invariant family)."""
         path = path or standard.model_dir / IN_PLACE_FILE
         if not path.is_file():
             return None
@@ -124,31 +124,31 @@ class InPlaceDecoder:
             log.info("%s not used: the in-place graph serves CPU sessions of graphs with position_ids", path)
             return None
         try:
-            twin = cls(standard, path, intra_op_threads, thread_spinning, batched)
+            graph = cls(standard, path, intra_op_threads, thread_spinning, batched)
         except (ort.capi.onnxruntime_pybind11_state.Fail, ort.capi.onnxruntime_pybind11_state.InvalidGraph,
                 ort.capi.onnxruntime_pybind11_state.InvalidProtobuf, KeyError) as exc:
             log.warning("%s not used: onnxruntime cannot load it or it lacks %s's outputs (%s)", path,
                         standard.onnx_path, exc)
             return None
-        inputs = {i.name for i in twin.session.get_inputs()}
-        outputs = {o.name for o in twin.session.get_outputs()}
-        expected_in = {standard.io.input_ids, standard.io.attention_mask, *twin.past_names,
-                       *((LOGITS_FROM,) if twin.cuts_logits else ())}
-        if inputs != expected_in or outputs != set(twin.output_names) | set(twin.present_names):
+        inputs = {i.name for i in graph.session.get_inputs()}
+        outputs = {o.name for o in graph.session.get_outputs()}
+        expected_in = {standard.io.input_ids, standard.io.attention_mask, *graph.past_names,
+                       *((LOGITS_FROM,) if graph.cuts_logits else ())}
+        if inputs != expected_in or outputs != set(graph.output_names) | set(graph.present_names):
             log.warning("%s not used: its inputs/outputs differ from %s's", path, standard.onnx_path)
             return None
-        difference = twin.agreement()
+        difference = graph.agreement()
         if difference > CHECK_TOLERANCE:
-            log.warning("%s not used: its logits differ from %s's by %.2e (a stale twin? rebuild it with "
+            log.warning("%s not used: its logits differ from %s's by %.2e (a stale in-place graph? rebuild it with "
                         "python -m specserve.modelbuild.fused_graph)", path, standard.onnx_path, difference)
             return None
         if not batched:
-            twin.add_step_twin(step_path or standard.model_dir / STEP_FILE, intra_op_threads, thread_spinning)
-        return twin
+            graph.add_step_graph(step_path or standard.model_dir / STEP_FILE, intra_op_threads, thread_spinning)
+        return graph
 
-    def add_step_twin(self, path: Path, intra_op_threads: int | None, thread_spinning: bool) -> None:
-        """Serve single-token calls on ``path`` where it exists, loads, has this twin's
-        inputs and outputs and agrees with the standard graph; else this twin serves them."""
+    def add_step_graph(self, path: Path, intra_op_threads: int | None, thread_spinning: bool) -> None:
+        """Serve single-token calls on ``path`` where it exists, loads, has this graph's
+        inputs and outputs and agrees with the standard graph; else this graph serves them."""
         if not path.is_file():
             return
         try:

@@ -1,6 +1,6 @@
 """Step 4: a trained head into the bundle: ``heads/<kind>/`` (the graph with the I/O of
 ``head-contracts.md``, float16 weights, its config, ``d2t.npy`` for EAGLE-3, the int8
-twin where the kind has one), checked against torch, and recorded in the manifest."""
+int8 graph where the mode has one), checked against torch, and recorded in the manifest."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +16,7 @@ from specserve.engine.model.manifest import BundleManifest, HeadEntry, TrainingR
 from ..export import WEIGHTS_FILE, save_checkpoint
 from ..head_stage import _check_export
 from ..heads import export_head
-from ..int8_graph import INT8_HEADS, write_int8_twin
+from ..int8_graph import INT8_HEADS, write_int8_graph
 from ..llama import LlamaShape
 
 
@@ -65,7 +65,7 @@ def export_head_into(kind: str, trainer, bundle: Path, state: dict, args: argpar
     difference = _check_export(kind, head, directory / "model.onnx", shape.hidden_size, shape.num_kv_heads,
                                shape.head_dim)
     if kind in INT8_HEADS:
-        write_int8_twin(directory)
+        write_int8_graph(directory)
     record = TrainingRecord(
         seed=args.seed, steps=state["update"], batch_size=args.batch, seq_len=args.steps, learning_rate=args.lr,
         objective=(f"soft cross-entropy to the target's top-16 next-token distribution over {len(draft_ids)} draft "

@@ -3,10 +3,10 @@
 
 - ``target/model.onnx``: ``fused_graph``'s Llama graph (the engine's I/O, the final
   normalised hidden state and the EAGLE-3 aux layers as outputs) on the file's own
-  weights (``weights.py``); ``target/model.inplace.onnx``, its batch-1 twin; and
-  ``target/model.inplace.step.onnx``, the twin for single-token calls in the format
+  weights (``weights.py``); ``target/model.inplace.onnx``, its in-place graph (batch 1); and
+  ``target/model.inplace.step.onnx``, the step graph for single-token calls in the format
   fastest there. All three read one ``model.onnx.data``. The default puts the graph and
-  twin in float32 and the step graph on the file's Q4_1 blocks: exact both ways,
+  its in-place graph in float32 and the step graph on the file's Q4_1 blocks: exact both ways,
   and each the fastest exact format for its calls (``docs/models.md``). Together they
   are the *exact* format;
 - ``target/model.fast.onnx`` and ``target/model.fast.inplace.onnx``: the *fast* format
@@ -51,7 +51,7 @@ FAST_WEIGHTS = "q4_1"  # the file's own blocks; its Q8_0 table as 8-bit MatMulNB
 # Raised whenever the fast graphs change, so that an installed bundle converted by an
 # older builder is converted again (``modelbuild.default_model.is_current`` reads the notes).
 FAST_REVISION = 3
-TWIN_TOLERANCE = 1e-4  # relative; float32 rounding of the two attention ops measures ~4e-6 on SmolLM2
+IN_PLACE_TOLERANCE = 1e-4  # relative; float32 rounding of the two attention ops measures ~4e-6 on SmolLM2
 
 
 def tool_version() -> str:
@@ -109,12 +109,12 @@ def convert_gguf(gguf_path: Path, out: Path, weight_format: str = "fp32", accura
     finally:
         store.close()
     if weight_format != "int8" and accuracy_level == 0:  # int8 activations round differently in each graph
-        for twin in (IN_PLACE_FILE, STEP_FILE if step_format else None):
-            if twin:
-                step(f"checking {twin} against the graph")
-                difference = in_place_parity(target / "model.onnx", target / twin, verifies=2, relative=True)
-                if difference > TWIN_TOLERANCE:
-                    raise RuntimeError(f"{twin} disagrees with the graph by {difference:.2e} (relative)")
+        for graph_file in (IN_PLACE_FILE, STEP_FILE if step_format else None):
+            if graph_file:
+                step(f"checking {graph_file} against the graph")
+                difference = in_place_parity(target / "model.onnx", target / graph_file, verifies=2, relative=True)
+                if difference > IN_PLACE_TOLERANCE:
+                    raise RuntimeError(f"{graph_file} disagrees with the graph by {difference:.2e} (relative)")
 
     step("writing the embedding and LM-head arrays")
     np.save(target / "embed_tokens.npy", checkpoint.tensor("model.embed_tokens.weight").dequantize())

@@ -54,8 +54,8 @@ def chat_prompts() -> list[list[int]]:
 
 def _ort_logits(graph: str, ids: list[int]) -> np.ndarray:
     """Logits of ``graph`` (one of the target's three) for ``ids`` in one call from an
-    empty past: the standard graph directly; a twin through IO binding, as the engine
-    runs it, the step graph fed its single tokens after the standard twin's prefill."""
+    empty past: the standard graph directly; the in-place graph through IO binding, as the engine
+    runs it, the step graph fed its single tokens after the in-place graph's prefill."""
     import onnxruntime as ort
 
     from specserve.engine.model.onnx_model import OnnxDecoder
@@ -66,13 +66,13 @@ def _ort_logits(graph: str, ids: list[int]) -> np.ndarray:
                                decoder.empty_past()).logits[0]
     from specserve.engine.model.in_place import InPlaceDecoder
 
-    twin = InPlaceDecoder(decoder, TARGET / IN_PLACE_FILE, 2, False)
+    in_place = InPlaceDecoder(decoder, TARGET / IN_PLACE_FILE, 2, False)
     if graph == STEP_FILE:
-        twin.step_session = ort.InferenceSession(str(TARGET / STEP_FILE), providers=["CPUExecutionProvider"])
-    buffer = twin.new_buffer(len(ids) + 8)
+        in_place.step_session = ort.InferenceSession(str(TARGET / STEP_FILE), providers=["CPUExecutionProvider"])
+    buffer = in_place.new_buffer(len(ids) + 8)
     prefill = 4 if graph == STEP_FILE else len(ids)
-    rows = [twin.run(buffer, 0, np.array([ids[:prefill]]))[0][0]]
-    rows += [twin.run(buffer, i, np.array([[ids[i]]]))[0][0] for i in range(prefill, len(ids))]
+    rows = [in_place.run(buffer, 0, np.array([ids[:prefill]]))[0][0]]
+    rows += [in_place.run(buffer, i, np.array([[ids[i]]]))[0][0] for i in range(prefill, len(ids))]
     return np.concatenate(rows)
 
 
