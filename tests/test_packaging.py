@@ -49,6 +49,10 @@ def test_the_wheel_installs_one_top_level_package(tmp_path):
     model = "specserve/models/smollm2-135m-instruct/"
     assert model + "manifest.json" in names and model + "heads/eagle3/model.onnx" in names
     assert model + "draft/model.safetensors" in names
+    from specserve.modelbuild.default_model import PACKAGED_PARTS  # what a conversion seeds from: all shipped
+    seeded = [name for name in tracked.decode().split("\0") if name.startswith("models/smollm2-135m-instruct/")
+              and any(name.removeprefix("models/smollm2-135m-instruct/").startswith(part) for part in PACKAGED_PARTS)]
+    assert seeded and {f"specserve/{name}" for name in seeded} <= set(names)
     assert not [n for n in names if n.startswith(model + "target/") or "/fixture/" in n]  # converted, not shipped
     assert "specserve/cluster/grafana-dashboard.json" in names
 

@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 
 import specserve.models
+from specserve import SOURCE_TREE
 from specserve.engine.errors import ModelLoadError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -29,20 +30,13 @@ PACKAGED_MODELS = Path(specserve.models.__file__).resolve().parent
 CONVERT_COMMAND = "specserve convert --default-model"
 
 
-def _checkout() -> Path | None:
-    """The source checkout specserve runs from, if it does (an editable install or the tree)."""
-    root = PACKAGED_MODELS.parent
-    return root if (root / "pyproject.toml").is_file() and (root / "engine").is_dir() else None
-
-
 def data_home() -> Path:
     """Where converted models and the download cache live."""
     chosen = os.environ.get(HOME_ENV)
     if chosen:
         return Path(chosen).expanduser().resolve()
-    checkout = _checkout()
-    if checkout is not None:
-        return checkout
+    if SOURCE_TREE is not None:
+        return SOURCE_TREE
     return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share").expanduser() / "specserve"
 
 

@@ -120,12 +120,12 @@ class TargetWorker:
             if item.resume and item.rules is None:  # its tokens are not its prompt: the rules cannot be derived
                 raise ValueError("a resuming prefill must carry the sequence's rules")
             feed = item.fed
-            reserved, shared = item.reserved_blocks, item.prefix_blocks
-            if shared and not item.resume and item.options.prompt_logprobs is not None:
+            reserved, cached = item.reserved_blocks, item.prefix_blocks
+            if cached and not item.resume and item.options.prompt_logprobs is not None:
                 raise ValueError("a prefill with prompt_logprobs needs every prompt row: it cannot start on "
                                  "cached blocks")
-            cache.add_sequence(item.seq_id, reserved[shared:] if reserved is not None else None)
-            start = cache.share_prefix(item.seq_id, feed, reserved[:shared]) if shared else 0
+            cache.add_sequence(item.seq_id, reserved[cached:] if reserved is not None else None)
+            start = cache.share_prefix(item.seq_id, feed, reserved[:cached]) if cached else 0
             # The round needs the last row's logits; prompt logprobs need every row's.
             out = self.target.feed_batch([FeedRequest(item.seq_id, feed[start:], start,
                                                       last_logits_only=item.options.prompt_logprobs is None)])[0]
