@@ -20,7 +20,8 @@ from specserve.engine.sched.verify_split import verify_groups
 from specserve.engine.sched.acceptance import AcceptanceTracker
 from specserve.engine.sched.call_pricing import CATCH_UP_STEPS
 from specserve.engine.sched.draft_length import (ENGAGE_MARGIN, EXPLORE_BACKOFF, EXPLORE_BATCH, DraftLengthPlanner,
-                                      DraftRequest, RoundPlan, RoundTime, explore_wait)
+                                                 DraftRequest, explore_wait)
+from specserve.engine.sched.draft_policy import RoundPlan, RoundTime
 from specserve.engine.speculative.proposers.registry import HEAD_MODES
 
 from .conftest import CPU_CONFIG, MODELS, generate_concurrently
@@ -443,10 +444,10 @@ def test_adaptive_rounds_give_the_target_only_tokens(mode, adaptive_engine, held
     assert [r.token_ids for r in results] == reference
     solo = adaptive_engine.generate(*jobs[0])
     assert solo.token_ids == reference[0]
-    costs = adaptive_engine.coordinator.planner.verify_costs  # the rounds taught the cost model
+    costs = adaptive_engine.coordinator.policy.planner.verify_costs  # the rounds taught the cost model
     assert (costs.calls or costs.multi_step_calls) and costs.overheads and costs.gaps  # ... and the gaps between ticks
     if mode == "draft_model":  # ... and its first contacts (the prompts' prefills) priced its catch-up
-        assert adaptive_engine.coordinator.planner.draft_costs.catch_ups["draft_model"][1] >= 1
+        assert adaptive_engine.coordinator.policy.planner.draft_costs.catch_ups["draft_model"][1] >= 1
     assert adaptive_engine.drain() and adaptive_engine.target.cache.used_blocks == 0
 
 

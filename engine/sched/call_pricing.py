@@ -27,10 +27,10 @@ class DraftRequest:
     max_num_drafts: int  # the most this round may draft (the request's num_drafts, capped by length/context)
     adaptive: bool       # False: the request pinned its num_drafts, and drafts max_num_drafts
     catch_up: float = 0.0  # tokens a draft model must feed before it drafts, beyond a round's,
-                           # per round the request has left (``SequenceDriver.catch_up``)
+                           # per round the request has left (``adaptive_drafts.catch_up``)
     ending: bool = False   # the request's budget has one token left: max_num_drafts is 0 for its sake,
                            # not for want of drafts, and several plain rounds cost it nothing
-    cold: bool = False     # its proposer has not seen the sequence yet (``SequenceDriver.proposer_cold``)
+    cold: bool = False     # its proposer has not seen the sequence yet (``adaptive_drafts.proposer_cold``)
     looked_up: int = 0     # a proposer in the coordinator looked for up to this many drafts before the plan
                            # (prompt lookup); max_num_drafts is then what it found
     primed: bool = True    # its proposer could draft now: it needs no anchor, or holds the one its sequence's

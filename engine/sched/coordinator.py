@@ -21,7 +21,7 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Hashable, Protocol, Sequence
+from typing import Hashable, NamedTuple, Protocol, Sequence
 
 from specserve.engine.config import SchedulerConfig
 from specserve.engine.errors import EngineError
@@ -29,12 +29,12 @@ from specserve.engine.kv.block_ledger import Grant
 from specserve.engine.sched.background import detached
 from specserve.engine.sched.call_clock import SerialCallClock
 from specserve.engine.sched.cost_tables import DraftCostTable, VerifyCostTable
-from specserve.engine.sched.draft_length import (DraftCosts, DraftLengthPlanner, DraftRequest, ProposerCall, RoundTime,
-                                      SequenceRetired, SequenceRound, TargetCall)
+from specserve.engine.sched.adaptive_drafts import AdaptiveDrafts
+from specserve.engine.sched.draft_policy import (DraftPolicy, ProposerCall, RoundPlan, RoundTime, SequenceRound,
+                                                 TargetCall, TickReport)
 from specserve.engine.sched.metrics import RoundMetrics
 from specserve.engine.sched.messages import PrefillItem, ProposeItem, ProposeResult, TargetResult, VerifyItem
-from specserve.engine.sched.sequence_driver import SequenceDriver, tokens_behind
-from specserve.engine.speculative.proposers.registry import HEAD_MODES
+from specserve.engine.sched.sequence_driver import SequenceDriver
 
 log = logging.getLogger("specserve.coordinator")
 
@@ -113,6 +113,7 @@ class _Lane:
     task: asyncio.Task | None = None
     ticking: bool = False  # releases are in flight inside a tick
     members: dict[str, frozenset] = field(default_factory=dict)  # target replica -> its last call's sequences
+    report: TickReport = field(default_factory=TickReport)  # what this tick saw, for the draft policy
     # when its last tick ended, while it has had work since and that tick ran no prefill:
     # what lies between two ticks is a round's cost too (``VerifyCostModel.observe_gap``)
     tick_ended: float | None = None
@@ -121,6 +122,14 @@ class _Lane:
     def has_work(self) -> bool:
         return bool(self.runs or self.ticking or self.kv_releases or self.kv_publishes
                     or any(self.target_releases.values()) or any(self.proposer_releases.values()))
+
+
+class _Choice(NamedTuple):
+    """A sequence's part of its call's plan this tick (``RoundPlan``)."""
+
+    num_drafts: int
+    steps: int
+    anchor: bool
 
 
 @dataclass
@@ -146,7 +155,9 @@ class RoundCoordinator:
     """
 
     def __init__(self, transport: Transport, config: SchedulerConfig | None = None,
-                 metrics: RoundMetrics | None = None) -> None:
+                 metrics: RoundMetrics | None = None, policy: DraftPolicy | None = None) -> None:
+        """``policy``: how many drafts each round verifies (``sched.draft_policy``); by
+        default adaptive for the requests that adapt, their maximum for the others."""
         self.transport = transport
         self.config = config = config or SchedulerConfig()
         self.metrics = metrics or RoundMetrics()
@@ -158,8 +169,7 @@ class RoundCoordinator:
         self.max_batch = config.max_batch_size  # per lane and tick; the rest wait their turn (FIFO)
         self.timings = TickTimings()
         self._call_clock = SerialCallClock()  # what a call cost, less its wait behind other lanes' calls
-        self.planner: DraftLengthPlanner | None = None  # made when a request first adapts
-        self._costed_modes: set[str] = set()  # modes whose measured draft costs the planner has
+        self.policy = policy or AdaptiveDrafts(transport, config.plain_steps, config.replan_rounds)
         self.waiting = 0  # sequences waiting for their KV to be admitted
 
     @property
@@ -288,8 +298,8 @@ class RoundCoordinator:
         decoding = [r for r in ready if not r.driver.needs_prefill]
 
         self._propose_locally(decoding)
-        await self._choose_draft_lengths(decoding)
-        proposals = self._propose_calls(lane, decoding)
+        choices = await self._plan(decoding)
+        proposals = self._propose_calls(lane, decoding, choices)
         calling = time.perf_counter()
         results = await self._gather(proposals.values())
         in_calls = time.perf_counter() - calling
@@ -297,7 +307,7 @@ class RoundCoordinator:
             self._take_proposals(lane, mode, replica, outcome)
         propose_done = time.perf_counter()
 
-        target_calls = self._target_calls(lane, prefilling, decoding)
+        target_calls = self._target_calls(lane, prefilling, decoding, choices)
         calling = time.perf_counter()
         outcomes = await self._gather(call for call, _ in target_calls.values())
         in_calls += time.perf_counter() - calling
@@ -312,10 +322,10 @@ class RoundCoordinator:
             if run.driver.finished:
                 self._retire(lane, run)
         finished = time.perf_counter()
-        if self.planner is not None:
-            self.planner.observe(RoundTime(len(decoding), len(prefilling),
-                                           any(run.driver.round_steps > 1 for run in decoding),
-                                           finished - started - in_calls, gap))
+        report, lane.report = lane.report, TickReport()
+        report.time = RoundTime(len(decoding), len(prefilling), any(c.steps > 1 for c in choices.values()),
+                                finished - started - in_calls, gap)
+        self.policy.observe(report)
         if not prefilling:
             lane.tick_ended = finished
         t = self.timings
@@ -332,59 +342,32 @@ class RoundCoordinator:
             driver = run.driver
             if driver.local_proposer is None:
                 continue
-            driver.round_num_drafts = driver.max_num_drafts()
             try:
-                if driver.propose_locally():
+                if driver.propose_locally(driver.max_num_drafts()):
                     self.metrics.draft_lookup(driver.mode, driver.drafted > 0)
             except Exception as exc:  # noqa: BLE001 - a proposer failure costs drafts, never the request
                 log.warning("in-coordinator proposer %s failed for %s: %r", driver.mode, driver.seq_id, exc)
                 self.metrics.fault("proposer_failed", driver.mode)
                 driver.no_drafts()
 
-    async def _choose_draft_lengths(self, decoding: list[_Run]) -> None:
-        """Set every decoding sequence's drafts for this round: pinned requests get their
-        maximum; adaptive ones what ``DraftLengthPlanner`` plans for their target call
-        (a model-free proposer's at most what it found, and its drafts are cut to that).
-        Also how many plain rounds each call runs (``round_steps``): ``plain_steps`` for
-        a call of target-only sequences, what the plan chose for a call it drafts nothing
-        in, else one."""
-        adaptive = [run for run in decoding if run.driver.adaptive]
-        if adaptive and self.planner is None:
-            self.planner = DraftLengthPlanner.for_target(await self.transport.verify_costs(), HEAD_MODES,
-                                                         self.config.plain_steps, self.config.replan_rounds)
-        for mode in {run.driver.mode for run in adaptive if run.driver.remote_proposer} - self._costed_modes:
-            self._costed_modes.add(mode)
-            self.planner.observe(DraftCosts(mode, await self.transport.draft_costs(mode)))
-        for run in decoding:
-            driver = run.driver
-            driver.round_num_drafts = driver.max_num_drafts() if driver.local_proposer is None else driver.drafted
-            driver.round_steps, driver.round_anchor = 1, True
+    async def _plan(self, decoding: list[_Run]) -> dict[_Run, _Choice]:
+        """Every decoding sequence's drafts, plain rounds and anchor this tick, as the draft
+        policy plans each target call (an in-coordinator proposer's drafts are cut to its
+        plan's)."""
         calls: dict[str, list[_Run]] = defaultdict(list)
         for run in decoding:
             calls[run.grant.replica].append(run)
-        for runs in calls.values():
-            if all(run.driver.mode == "none" for run in runs):
-                # Target-only rounds have nothing to wait for: several to a call. Never
-                # in a call with a drafting sequence, which would wait for the others'.
-                for run in runs:
-                    run.driver.round_steps = self.config.plain_steps
-                continue
-            if not any(run.driver.adaptive for run in runs):
-                continue  # every round drafts its maximum: nothing to plan
-            requests = [DraftRequest(r.driver.seq_id, r.driver.mode, r.driver.round_num_drafts, r.driver.adaptive,
-                                     r.driver.catch_up, r.driver.ending, r.driver.proposer_cold,
-                                     r.driver.max_num_drafts() if r.driver.local_proposer is not None else 0,
-                                     r.driver.primed, r.driver.draft_class)
-                        for r in runs]
-            plan = self.planner.plan(requests)
-            anchors = plan.anchors or [True] * len(runs)
-            for run, num_drafts, anchor in zip(runs, plan.num_drafts, anchors):
-                run.driver.round_num_drafts, run.driver.round_steps, run.driver.round_anchor = \
-                    num_drafts, plan.steps, anchor
-                if run.driver.local_proposer is not None:
-                    run.driver.keep_drafts(num_drafts)
-                if run.driver.adaptive:
-                    self.metrics.draft_length(run.driver.mode, num_drafts)
+        plans: list[RoundPlan] = await self.policy.plan([[run.driver for run in runs] for runs in calls.values()])
+        choices = {}
+        for runs, plan in zip(calls.values(), plans):
+            for run, num_drafts, anchor in zip(runs, plan.num_drafts, plan.anchors or [True] * len(runs)):
+                choices[run] = _Choice(num_drafts, plan.steps, anchor)
+                driver = run.driver
+                if driver.local_proposer is not None:
+                    driver.keep_drafts(num_drafts)
+                if driver.adaptive:
+                    self.metrics.draft_length(driver.mode, num_drafts)
+        return choices
 
     async def _gather(self, calls) -> list:
         """Await calls, returning exceptions in place of results. A transport whose calls
@@ -424,7 +407,7 @@ class RoundCoordinator:
                             result)
                 self.metrics.fault("ledger_publish_failed" if published else "ledger_release_failed")
 
-    def _propose_calls(self, lane: _Lane, decoding: list[_Run]) -> dict:
+    def _propose_calls(self, lane: _Lane, decoding: list[_Run], choices: dict[_Run, _Choice]) -> dict:
         groups: dict[tuple[str, str | None], list[tuple[_Run, ProposeItem]]] = defaultdict(list)
         now = time.monotonic()
         for run in decoding:
@@ -434,7 +417,7 @@ class RoundCoordinator:
             if self._proposer_down_until.get(driver.mode, 0.0) > now:
                 driver.no_drafts()
                 continue
-            item = driver.propose_item()
+            item = driver.propose_item(choices[run].num_drafts)
             if item is not None:
                 groups[(driver.mode, run.proposer_replica)].append((run, item))
         keys = set(groups) | {k for k, v in lane.proposer_releases.items() if v}
@@ -461,10 +444,9 @@ class RoundCoordinator:
         seconds, own = self._call_clock.finished(("proposer", mode, served_by), started)
         if pairs:
             self.metrics.draft_call(mode, seconds)
-            if self.planner is not None:
-                behind = sum(tokens_behind(item.since, len(item.new_tokens), run.driver.num_drafts)
-                             for run, item in pairs)
-                self.planner.observe(ProposerCall(mode, [item.num_drafts for _, item in pairs], behind, own))
+            lane.report.proposer_calls.append(ProposerCall(
+                mode, [item.num_drafts for _, item in pairs], [item.since for _, item in pairs],
+                [len(item.new_tokens) for _, item in pairs], [run.driver.num_drafts for run, _ in pairs], own))
         return served_by, [(run, result) for (run, _), result in zip(pairs, results)]
 
     def _take_proposals(self, lane: _Lane, mode: str, replica: str | None, outcome) -> None:
@@ -488,7 +470,8 @@ class RoundCoordinator:
                 self.metrics.fault("proposer_failed", mode)
             run.driver.take_proposal(result)
 
-    def _target_calls(self, lane: _Lane, prefilling: list[_Run], decoding: list[_Run]) -> dict:
+    def _target_calls(self, lane: _Lane, prefilling: list[_Run], decoding: list[_Run],
+                      choices: dict[_Run, _Choice]) -> dict:
         groups: dict[str, tuple[list, list, list[_Run]]] = {}
         for run in prefilling:
             prefills, _, runs = groups.setdefault(run.grant.replica, ([], [], []))
@@ -496,7 +479,8 @@ class RoundCoordinator:
             runs.append(run)
         for run in decoding:
             _, verifies, runs = groups.setdefault(run.grant.replica, ([], [], []))
-            verifies.append(run.driver.verify_item())
+            choice = choices[run]
+            verifies.append(run.driver.verify_item(choice.steps, choice.anchor))
             runs.append(run)
         for replica, releases in lane.target_releases.items():
             if releases:
@@ -505,23 +489,23 @@ class RoundCoordinator:
         for replica, (prefills, verifies, runs) in groups.items():
             releases, lane.target_releases[replica] = lane.target_releases.get(replica, []), []
             # Whether the call's sequences are the replica's last call's: a call that pays for
-            # arrivals and departures teaches the planner nothing (``TargetCall``).
+            # arrivals and departures teaches the draft policy nothing (``TargetCall``).
             members = frozenset(item.seq_id for item in verifies)
             changed = members != lane.members.get(replica)
             lane.members[replica] = members
-            calls[replica] = (self._target_group(replica, prefills, verifies, releases, changed), runs)
+            calls[replica] = (self._target_group(lane, replica, prefills, verifies, releases, changed), runs)
         return calls
 
-    async def _target_group(self, replica, prefills, verifies, releases, changed: bool = False):
+    async def _target_group(self, lane: _Lane, replica, prefills, verifies, releases, changed: bool = False):
         started = self._call_clock.now()
         results = await self.transport.target_step(replica, prefills, verifies, releases)
         seconds, own = self._call_clock.finished(("target", replica), started)
         if prefills or verifies:
             self.metrics.verify_call(seconds)
-            if self.planner is not None:  # a call merged with another router's teaches nothing of its own rows
-                changed = changed or any(result.merged_call for result in results)
-                self.planner.observe(TargetCall([len(item.drafts) + 1 for item in verifies],
-                                                [item.steps for item in verifies], len(prefills), changed, own))
+            # a call merged with another router's teaches nothing of its own rows
+            changed = changed or any(result.merged_call for result in results)
+            lane.report.target_calls.append(TargetCall([len(item.drafts) + 1 for item in verifies],
+                                                       [item.steps for item in verifies], len(prefills), changed, own))
         return results, releases
 
     def _take_target_results(self, lane: _Lane, replica: str, runs: list[_Run], outcome) -> None:
@@ -554,9 +538,8 @@ class RoundCoordinator:
                 for verified in rounds:
                     self.metrics.verify_round(run.driver.mode, verified.num_drafts, verified.accepted,
                                               verified.committed)
-                    if self.planner is not None:
-                        self.planner.observe(SequenceRound(run.driver.seq_id, run.driver.mode, verified.num_drafts,
-                                                           verified.accepted, verified.draft_class))
+                    lane.report.rounds.append(SequenceRound(run.driver.seq_id, run.driver.mode, verified.num_drafts,
+                                                            verified.accepted, verified.draft_class))
 
     def _forget_target(self, replica: str) -> None:
         if replica not in self._forgotten:
@@ -602,8 +585,7 @@ class RoundCoordinator:
         except Exception as exc:  # noqa: BLE001 - a proposer's bookkeeping never fails the request
             log.warning("closing the in-coordinator proposer of %s failed: %r", seq_id, exc)
             self.metrics.fault("proposer_failed", run.driver.mode)
-        if self.planner is not None:
-            self.planner.observe(SequenceRetired(seq_id))
+        lane.report.retired.append(seq_id)
         if run.grant is not None:
             lane.target_releases[run.grant.replica].append(seq_id)  # then the ledger, once the pages are free
             final = run.driver.final_tokens

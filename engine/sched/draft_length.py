@@ -27,14 +27,16 @@ are verified changes, never how.
 A plan without drafts may make its target call *multi-step*: several plain rounds back
 to back in one call (``SchedulerConfig.plain_steps``, vLLM's num_scheduler_steps).
 
-The coordinator only schedules: it asks ``plan(call)`` before a round's target call and
-reports what it then sees through ``observe(record)`` -- a verified round, a retired
-sequence, a proposer or target call and its seconds, a round's time outside its calls and
-the gap before its tick, a proposer mode's measured costs. Which of them teach what is decided here.
+The planner sits behind the draft-policy seam (``sched.adaptive_drafts``): it is asked
+``plan(call)`` before a round's target call and learns through ``observe(record)`` what
+the tick then saw (``sched.draft_policy.TickReport``: a verified round, a proposer or
+target call and its seconds, a round's time outside its calls and the gap before its
+tick), a retired sequence and a proposer mode's measured costs. Which of them teach what
+is decided here.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from itertools import product
 from typing import Iterable, NamedTuple, Sequence, Union
 
@@ -42,6 +44,7 @@ from specserve.engine.sched.acceptance import AcceptanceTracker, LookupTracker
 from specserve.engine.sched.call_pricing import CallPricing, DraftRequest
 from specserve.engine.sched.cost_models import DraftCostModel, VerifyCostModel
 from specserve.engine.sched.cost_tables import DraftCostTable, VerifyCostTable
+from specserve.engine.sched.draft_policy import ProposerCall, RoundPlan, RoundTime, SequenceRound, TargetCall
 
 MIXED_PLAN_MARGIN = 0.05  # a plan between "no drafts" and "every maximum" must be predicted this much
                           # faster than the better of the two: below the cost model's error, a pinned
@@ -82,64 +85,10 @@ def explore_wait(sequences: int) -> float:
     return max(EXPLORE_MIN, EXPLORE_EVERY * sequences / EXPLORE_BATCH)
 
 
-@dataclass(frozen=True)
-class RoundPlan:
-    """One target call's plan: each request's draft count, in the call's order, how many
-    plain rounds the call runs back to back (1 unless it drafts nothing), and for which
-    requests the call brings back the anchor their proposer starts from next round
-    (``DraftLengthPlanner.plan``; None: every request's). Plans compare by their drafts
-    and steps."""
-
-    num_drafts: list[int]
-    steps: int = 1
-    anchors: list[bool] | None = field(default=None, compare=False)
-
-
-# -- what the coordinator reports (``DraftLengthPlanner.observe``) --------------------------
-class SequenceRound(NamedTuple):
-    """A verify round of one sequence: how many drafts it checked, how many were accepted."""
-
-    seq_id: object
-    mode: str
-    num_drafts: int
-    accepted: int
-    draft_class: str = ""  # of the drafts it verified (``Proposal.draft_class``)
-
-
+# -- what the planner learns from (``DraftLengthPlanner.observe``): a tick's records
+# (``sched.draft_policy``), a retired sequence, and a proposer mode's measured costs -----
 class SequenceRetired(NamedTuple):
     seq_id: object
-
-
-class TargetCall(NamedTuple):
-    """One target call and its seconds: each verified sequence's rows (its drafts + 1) and
-    plain rounds asked for, and what else the call carried."""
-
-    rows: list[int]
-    steps: list[int]
-    prefills: int
-    sequences_changed: bool  # not the sequences of the replica's last call: some joined or left
-    seconds: float
-
-
-class ProposerCall(NamedTuple):
-    """One proposer call that drafted for sequences: each one's draft count, the tokens the
-    proposer fed beyond what their rounds committed (``tokens_behind``), and its seconds."""
-
-    mode: str
-    num_drafts: list[int]
-    catch_up_tokens: int
-    seconds: float
-
-
-class RoundTime(NamedTuple):
-    """A tick's seconds outside its proposer and target calls, and since its lane's last."""
-
-    sequences: int    # decoding sequences
-    prefills: int
-    multi_step: bool  # some target call ran several plain rounds
-    seconds: float
-    gap: float | None = None  # seconds since the lane's previous tick ended, where it had work
-                              # all along and that tick ran no prefill (``VerifyCostModel.observe_gap``)
 
 
 class DraftCosts(NamedTuple):

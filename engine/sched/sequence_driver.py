@@ -48,16 +48,6 @@ WINDOW_REFUSAL = ("speculative decoding needs a full-attention KV cache to stay 
                   "sliding_window set, so only speculative_mode 'none' is available")
 
 
-ROUND_TOKENS = 2.0  # tokens a drafting round commits, roughly: what a catch-up is spread over
-
-
-def tokens_behind(since: int, unseen: int, num_drafts: int) -> int:
-    """Tokens a remote proposer must feed beyond what one round commits, given where its
-    view of the sequence ends (``since``) and the committed tokens after that: the whole
-    context at first contact (or after a resync), else what rounds without drafts committed."""
-    return unseen if since == 0 else max(0, unseen - (num_drafts + 1))
-
-
 class SequenceDriver:
     def __init__(self, seq_id: Hashable, state: SequenceState, mode: str, num_drafts: int, needs: Needs,
                  local_proposer: Proposer | None = None, remote_proposer: bool = False, kv_tokens: int = 0,
@@ -66,10 +56,7 @@ class SequenceDriver:
         self.prefix_caching = prefix_caching
         self.cached_tokens = 0  # prompt tokens its first prefill found cached (OpenAI's ``cached_tokens``)
         self.kv_tokens = kv_tokens or len(state.tokens) + state.options.max_new_tokens  # KV to reserve
-        self.adaptive = adaptive and mode != "none"  # the scheduler picks each round's drafts (<= num_drafts)
-        self.round_num_drafts = num_drafts  # this round's draft count, as the scheduler chose it
-        self.round_steps = 1            # plain rounds this round's target call may run (no drafts only)
-        self.round_anchor = True        # this round's target call brings back the anchor (the plan's choice)
+        self.adaptive = adaptive and mode != "none"  # its draft policy picks each round's drafts (<= num_drafts)
         self.local_proposer, self.remote_proposer = local_proposer, remote_proposer
         self.stats = SpeculativeStats(mode=mode)
         self.prefilled = False
@@ -118,9 +105,9 @@ class SequenceDriver:
         after it lost its target)."""
         return self.state.tokens[:-1] if self.prefilled and not self.resuming else None
 
-    def _drafts_this_round(self) -> int:
-        """Most drafts this round may verify: the scheduler's choice, within the budget."""
-        return drafts_allowed(self.state, self.round_num_drafts) if self.prefilled else 0
+    def _drafts_this_round(self, num_drafts: int) -> int:
+        """Most drafts this round may verify: the plan's ``num_drafts``, within the budget."""
+        return drafts_allowed(self.state, num_drafts) if self.prefilled else 0
 
     def max_num_drafts(self) -> int:
         """Most drafts the scheduler may give this sequence's next round."""
@@ -132,22 +119,15 @@ class SequenceDriver:
         return self.prefilled and tokens_left(self.state) <= 1
 
     @property
-    def primed(self) -> bool:
-        """Its proposer could draft this round: it takes nothing from the target, or the
-        last target call brought back the anchor it starts from (a plan asks for anchors
-        only where the next round may draft: ``DraftLengthPlanner.plan``)."""
-        return not self.remote_proposer or not self.needs.takes_anchor or self.anchor is not None
+    def proposer_seen(self) -> int:
+        """Committed tokens the remote proposer has seen (0: none, or it lost them)."""
+        return self._proposer_has
 
-    @property
-    def proposer_cold(self) -> bool:
-        """A remote proposer has not seen this sequence (or lost it): drafting now hands it
-        the whole context."""
-        return self.remote_proposer and self.prefilled and not self._proposer_has
-
-    def propose_item(self) -> ProposeItem | None:
-        """The message for a remote proposer this round, or None if no drafts are wanted."""
+    def propose_item(self, num_drafts: int) -> ProposeItem | None:
+        """The message for a remote proposer asking for up to ``num_drafts`` drafts this
+        round, or None if no drafts are wanted."""
         self.no_drafts()
-        num_drafts = self._drafts_this_round()
+        num_drafts = self._drafts_this_round(num_drafts)
         if not self.remote_proposer or num_drafts == 0:
             return None
         tokens = self.state.tokens
@@ -156,11 +136,11 @@ class SequenceDriver:
         return ProposeItem(self.seq_id, num_drafts, since, tokens[since:], None if since else self.state.options,
                            self._last_accepted if since else -1, self.anchor, None if since else self.state.rules)
 
-    def propose_locally(self) -> bool:
-        """Draft with the in-coordinator (model-free) proposer, if this request has one;
-        whether it looked (its lookups and hits count in the stats)."""
+    def propose_locally(self, num_drafts: int) -> bool:
+        """Draft up to ``num_drafts`` with the in-coordinator (model-free) proposer, if this
+        request has one; whether it looked (its lookups and hits count in the stats)."""
         self.no_drafts()
-        num_drafts = self._drafts_this_round()
+        num_drafts = self._drafts_this_round(num_drafts)
         if self.local_proposer is None or num_drafts == 0:
             return False
         state = self.state
@@ -170,19 +150,6 @@ class SequenceDriver:
         self.draft_class = proposal.draft_class if self._drafts else ""
         self.stats.record_lookup(bool(self._drafts))
         return True
-
-    @property
-    def catch_up(self) -> float:
-        """Tokens a remote proposer must feed before it drafts this round beyond what one
-        round commits -- what rounds without drafts committed, or the whole context at
-        first contact -- spread over the rounds the request has left: drafting now buys
-        every later round's drafts, so a catch-up is a one-off, not this round's cost (near
-        the end of a request it is not worth it)."""
-        if not self.remote_proposer:
-            return 0.0
-        lag = tokens_behind(self._proposer_has, len(self.state.tokens) - self._proposer_has, self.num_drafts)
-        left = self.state.options.max_new_tokens - (len(self.state.tokens) - self.state.prompt_len)
-        return lag / max(1.0, left / ROUND_TOKENS)
 
     @property
     def drafted(self) -> int:
@@ -206,13 +173,14 @@ class SequenceDriver:
             return
         self._drafts, self._probs = list(result.tokens), result.probs
 
-    def verify_item(self) -> VerifyItem:
-        """This round's verify message. Without drafts, ``round_steps`` > 1 asks the target
-        for that many plain rounds back to back (it feeds its own tokens), within the
-        request's budget."""
-        steps = min(self.round_steps, tokens_left(self.state)) if self.round_steps > 1 and not self._drafts else 1
+    def verify_item(self, steps: int = 1, anchor: bool = True) -> VerifyItem:
+        """This round's verify message. Without drafts, ``steps`` > 1 asks the target for
+        that many plain rounds back to back (it feeds its own tokens), within the request's
+        budget; ``anchor``: whether the call brings back what the proposer starts from next
+        (always, for a proposer that takes none: it costs nothing)."""
+        steps = min(steps, tokens_left(self.state)) if steps > 1 and not self._drafts else 1
         return VerifyItem(self.seq_id, list(self._drafts), self._probs, steps,
-                          anchor=self.round_anchor or not self.needs.takes_anchor)
+                          anchor=anchor or not self.needs.takes_anchor)
 
     # -- what came back ------------------------------------------------------------------
     def complete(self, outcome: RoundOutcome, anchor: Any, more: Sequence[RoundOutcome] = ()) -> list[VerifiedRound]:
