@@ -66,6 +66,11 @@ class DenseReference:
         if length < self.sinks:
             self.dropped[sid] = 0
 
+    def keep_path(self, sid, length, path):
+        """A token tree's rewind: the first ``length`` tokens, then those at ``path``."""
+        self.kv[sid] = [(np.concatenate([k[:, :length], k[:, path]], axis=1),
+                         np.concatenate([v[:, :length], v[:, path]], axis=1)) for k, v in self.kv[sid]]
+
     def free(self, sid):
         del self.kv[sid], self.dropped[sid]
 
@@ -78,6 +83,13 @@ class DenseReference:
         end = self.length(sid) + dropped
         holes = set(range(_ceil_div(self.sinks, block_size), (self.sinks + dropped) // block_size))
         return _ceil_div(end, block_size), holes
+
+
+def _draw_path(data, length: int, retained: int) -> list[int]:
+    """An increasing path of retained indices after ``length`` (maybe none)."""
+    if retained == length:
+        return []
+    return sorted(data.draw(st.sets(st.integers(length, retained - 1), max_size=5)))
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -155,8 +167,10 @@ class CacheMachine(RuleBasedStateMachine):
             keys, values, alive = self._session_output(sid, n, pad, rng)
             self.cache.append_from_session(sid, keys, values, alive)
             self.ref.append(sid, [k[0][:, -n:] for k in keys], [v[0][:, -n:] for v in values])
-            self.cache.rewind(sid, length := data.draw(st.integers(0, self.ref.length(sid))))
-            self.ref.rewind(sid, length)
+            length = data.draw(st.integers(0, self.ref.length(sid)))
+            path = _draw_path(data, length, self.ref.length(sid))  # a tree's path, or a chain's (none)
+            self.cache.rewind(sid, length, path)
+            self.ref.keep_path(sid, length, path)
             past = self.cache.session_past(sid)
             for (k, v), (rk, rv) in zip(zip(past.keys, past.values), self.ref.kv[sid]):
                 assert np.array_equal(k[0][:, past.alive], rk) and np.array_equal(v[0][:, past.alive], rv)
@@ -185,6 +199,22 @@ class CacheMachine(RuleBasedStateMachine):
         assert len(table) == expected_len <= len(table_before)
         dropped = [b for b in table_before if b is not None and b not in table]
         assert self.cache.free_blocks == free_before + len(dropped)  # exactly the blocks it gave up
+
+    @precondition(lambda self: self.WINDOW is None and self.ref.kv)
+    @rule(data=st.data())
+    def rewind_to_a_path(self, data):
+        """A token tree's rewind: the first tokens, then an increasing path of later ones,
+        whose KV moves to follow them (in the pools here: no session copy after ``append``)."""
+        sid = data.draw(st.sampled_from(sorted(self.ref.kv)))
+        retained = self.ref.length(sid)
+        length = data.draw(st.integers(0, retained))
+        path = _draw_path(data, length, retained)
+        free_before, table_before = self.cache.free_blocks, self.cache.block_table(sid)
+        self.cache.rewind(sid, length, path)
+        self.ref.keep_path(sid, length, path)
+        table = self.cache.block_table(sid)
+        assert table == table_before[:_ceil_div(length + len(path), BLOCK)]
+        assert self.cache.free_blocks == free_before + len(table_before) - len(table)
 
     @precondition(lambda self: self.ref.kv)
     @rule(data=st.data())
@@ -321,6 +351,42 @@ def test_an_in_place_buffer_becomes_the_session_copy_read_lazily_and_rewound_by_
     past = cache.session_past("a", compact=False)
     assert past.alive.tolist() == [True] * 7 + [False] * 2 and past.dead == 2
     np.testing.assert_array_equal(cache.materialize("a")[1][1], buffer.values[1][:, :, :7])  # pools = buffer prefix
+
+
+def test_a_tree_paths_rewind_moves_it_down_an_in_place_buffer_which_stays_a_prefix():
+    """An in-place call writes after the live slots, so a kept path moves down to follow
+    the committed tokens; the pools, a layer's slice and the next call all see the path."""
+    cache = _cache()
+    cache.add_sequence("a")
+    buffer = _Buffer(16, seed=8)
+    before = [k.copy() for k in buffer.keys], [v.copy() for v in buffer.values]
+    cache.append_in_buffer("a", buffer, 10)  # 4 committed tokens, then a tree of 6 nodes
+    cache.rewind("a", 4, [5, 7, 9])
+    kept = [0, 1, 2, 3, 5, 7, 9]
+    past = cache.session_past("a", compact=False)
+    assert cache.length("a") == 7 and past.buffer is buffer and past.alive.tolist() == [True] * 7 + [False] * 3
+    for layer in range(len(GEOMETRY)):
+        np.testing.assert_array_equal(buffer.keys[layer][:, :, :7], before[0][layer][:, :, kept])
+        np.testing.assert_array_equal(cache.slice("a", layer)[1], before[1][layer][:, :, kept])
+        np.testing.assert_array_equal(cache.materialize("a")[layer][0], before[0][layer][:, :, kept])
+    assert len(cache.block_table("a")) == 2
+    cache.append_in_buffer("a", buffer, 9)  # the next call wrote slots 7, 8 right after the path
+    assert cache.length("a") == 9 and len(cache.block_table("a")) == 3
+
+
+def test_a_path_rewind_is_refused_when_it_is_not_a_path_after_the_kept_tokens():
+    cache = _cache()
+    cache.add_sequence("a")
+    cache.append("a", *_kv(8, seed=9))
+    for path in ([6, 5], [3, 6], [5, 8], [5, 5]):
+        with pytest.raises(ValueError, match="path"):
+            cache.rewind("a", 4, path)
+    assert cache.length("a") == 8
+    windowed = _cache(sliding_window=6, sink_tokens=2)
+    windowed.add_sequence("a")
+    windowed.append("a", *_kv(8, seed=9))
+    with pytest.raises(ValueError, match="evicted"):
+        windowed.rewind("a", 4, [5])
 
 
 def test_in_place_appends_are_refused_when_nothing_is_new_or_the_buffer_does_not_fit():

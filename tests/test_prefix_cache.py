@@ -17,7 +17,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from specserve.engine.kv.block_ledger import BlockLedger
 from specserve.engine.kv.paged_cache import KVCacheCapacityError, KVCacheError, LayerGeometry, PagedKVCache
-from specserve.engine.kv.prefix_cache import BlockPool, block_hashes, cacheable_blocks
+from specserve.engine.kv.block_pool import BlockPool
+from specserve.engine.kv.prefix_cache import block_hashes, cacheable_blocks
 from specserve.engine.kv.replica_choice import IMBALANCE
 
 GEOMETRY = (LayerGeometry(num_kv_heads=2, head_dim=4), LayerGeometry(num_kv_heads=1, head_dim=8))
@@ -197,8 +198,8 @@ class SharingCacheMachine(RuleBasedStateMachine):
             tokens = list(self.named[name])
             keys, values = _kv_of(tokens, len(tokens) - BLOCK)
             for layer in range(len(GEOMETRY)):
-                assert np.array_equal(self.cache._key_pools[layer][block], keys[layer])
-                assert np.array_equal(self.cache._value_pools[layer][block], values[layer])
+                assert np.array_equal(self.cache._tables.key_pools[layer][block], keys[layer])
+                assert np.array_equal(self.cache._tables.value_pools[layer][block], values[layer])
 
     @invariant()
     def every_sequence_reads_its_own_tokens_kv(self):
@@ -224,7 +225,7 @@ class SharingCacheMachine(RuleBasedStateMachine):
     def every_block_is_free_cached_or_held_by_its_tables(self):
         cache = self.cache
         held = Counter(b for sid in self.tokens for b in cache.block_table(sid) if b is not None)
-        assert cache._blocks.holders == dict(held)
+        assert cache._tables.blocks.holders == dict(held)
         assert cache.used_blocks == len(held) and cache.free_blocks + cache.used_blocks == cache.num_blocks
         assert cache.cached_blocks == sum(1 for b in cache.block_names() if b not in held)
         for sid in self.tokens:

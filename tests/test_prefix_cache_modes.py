@@ -32,7 +32,7 @@ def system(heldout_prompts) -> str:
 
 def _named_block_bytes(cache) -> dict[int, tuple[int, bytes]]:
     """Every named block's name and KV bytes, over all layers."""
-    return {block: (name, b"".join(pool[block].tobytes() for pool in cache._key_pools + cache._value_pools))
+    return {block: (name, b"".join(pool[block].tobytes() for pool in cache._tables.key_pools + cache._tables.value_pools))
             for block, name in cache.block_names().items()}
 
 

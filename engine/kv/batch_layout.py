@@ -30,7 +30,8 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from specserve.engine.kv.paged_cache import MAX_DEAD_SHARE, MAX_DEAD_SLOTS, PagedKVCache, SessionPast
+from specserve.engine.kv.paged_cache import PagedKVCache
+from specserve.engine.kv.session_past import MAX_DEAD_SHARE, MAX_DEAD_SLOTS, SessionPast
 
 KEPT_LAYOUTS = 4  # one per lane (the server runs 2 by default) and then some
 

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 from specserve.engine.kv.paged_cache import KVCacheCapacityError
-from specserve.engine.kv.prefix_cache import ROOT_HASH, BlockPool, block_hashes, cacheable_blocks
+from specserve.engine.kv.block_pool import BlockPool
+from specserve.engine.kv.prefix_cache import ROOT_HASH, block_hashes, cacheable_blocks
 from specserve.engine.kv.replica_choice import Candidate, ReplicaChooser, ReplicaRouting
 
 
