@@ -308,8 +308,8 @@ class PagedKVCache:
         if length < s.prefix.frozen * self.block_size:
             raise KVCacheError(f"sequence {seq_id!r} cannot rewind to {length} tokens: its first "
                                f"{s.prefix.frozen * self.block_size} are in shared (named) blocks, which are immutable")
-        path = [int(i) for i in path]
         if path:
+            path = [int(i) for i in path]
             if any(b <= a for a, b in zip(path, path[1:])) or path[0] < length or path[-1] >= retained:
                 raise ValueError(f"a rewind's path must be increasing retained indices in [{length}, {retained}), "
                                  f"got {path}")

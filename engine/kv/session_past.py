@@ -126,6 +126,9 @@ class KeptPast:
             past.alive[kept:retained] = False  # live slots are a prefix: slot = retained index
             return
         alive_slots = np.flatnonzero(past.alive)
+        if not path:  # a chain's rewind: the tail dies (every round's case, kept cheap)
+            past.alive[alive_slots[length:]] = False
+            return
         dying = np.ones(retained - length, np.bool_)
         dying[np.asarray(path, np.intp) - length] = False
         past.alive[alive_slots[length:retained][dying]] = False
