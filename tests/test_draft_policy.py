@@ -6,7 +6,7 @@ import pytest
 
 from specserve.engine import Engine, GenerationOptions
 from specserve.engine.sched.adaptive_drafts import AdaptiveDrafts
-from specserve.engine.sched.draft_policy import FixedDrafts, ProposerCall, RoundPlan, TickReport, tokens_behind
+from specserve.engine.sched.draft_policy import FixedDrafts, ProposerCall, TickReport, tokens_behind
 
 from .conftest import CPU_CONFIG, MODELS
 
@@ -16,12 +16,7 @@ class RecordingPolicy(FixedDrafts):
 
     def __init__(self, plain_steps: int) -> None:
         super().__init__(plain_steps)
-        self.calls: list[list[list[object]]] = []
         self.reports: list[TickReport] = []
-
-    async def plan(self, calls) -> list[RoundPlan]:
-        self.calls.append([[driver.seq_id for driver in call] for call in calls])
-        return await super().plan(calls)
 
     def observe(self, report: TickReport) -> None:
         self.reports.append(report)

@@ -218,12 +218,16 @@ class BlockTables:
         self._release(t, range(keep, len(t.table)))
         del t.table[keep:]
 
+    def _places(self, t: BlockTable, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The block id and offset of each physical slot."""
+        table = np.asarray([-1 if b is None else b for b in t.table])
+        return table[slots // self.block_size], slots % self.block_size
+
     def write(self, t: BlockTable, slots: np.ndarray, keys: Sequence[np.ndarray], values: Sequence[np.ndarray]) -> None:
         """Store per-layer ``[heads, len(slots), dim]`` data at physical ``slots``."""
         if not slots.size:
             return
-        table = np.asarray([-1 if b is None else b for b in t.table])
-        blocks, offsets = table[slots // self.block_size], slots % self.block_size
+        blocks, offsets = self._places(t, slots)
         for pools, arrays in ((self.key_pools, keys), (self.value_pools, values)):
             for pool, arr in zip(pools, arrays):
                 # pool[blocks, :, offsets, :] has shape [k, heads, head_dim].
@@ -234,10 +238,8 @@ class BlockTables:
         (later than or at each source's own place: a rewind that keeps a tree path)."""
         if not source.size:
             return
-        table = np.asarray([-1 if b is None else b for b in t.table])
-        target = np.arange(first, first + source.size)
-        src_blocks, src_offsets = table[source // self.block_size], source % self.block_size
-        dst_blocks, dst_offsets = table[target // self.block_size], target % self.block_size
+        src_blocks, src_offsets = self._places(t, source)
+        dst_blocks, dst_offsets = self._places(t, np.arange(first, first + source.size))
         for pool in (*self.key_pools, *self.value_pools):
             pool[dst_blocks, :, dst_offsets, :] = pool[src_blocks, :, src_offsets, :]
 

@@ -319,7 +319,7 @@ class PagedKVCache:
                 length, path = length + len(path), []  # a prefix after all: a chain's rewind
         if path and s.kept.session is None:  # the KV is in the pools only: move the path there
             self._tables.move(s.blocks, np.asarray(path, np.intp), length)
-            s.kept.written = min(s.kept.written, length) + len(path)
+            s.kept.written = length + len(path)  # without a copy, every retained token is in the pools
         else:
             s.kept.rewind(length, retained, path)
         self._tables.truncate(s.blocks, length + len(path))
