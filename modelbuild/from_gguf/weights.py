@@ -10,7 +10,9 @@ one of three formats, chosen by measurement (``docs/models.md``):
   exact too. ``accuracy_level`` 4 makes onnxruntime quantise activations to int8: faster,
   no longer exact. There the block sums are those of the activations as quantised (extra
   rows of the same product), and the LM head's activations are refined by a second row
-  (``_refined``): the fast format's choices, by fidelity (``docs/models.md``).
+  (``_refined``): the fast format's choices, by fidelity (``docs/models.md``). ``head_rows``
+  runs an exact graph's LM head that way too, over enough rows to stay as close to float32
+  as a float32 head (the step graph's, ``docs/models.md``, the exact step's head).
 - ``fp32``: every matrix dequantised to float32 (the same values, four times the bytes).
 - ``int8``: every matrix re-quantised to 8 bits per 32-weight block with a uint8 zero
   point (round to nearest): close to the file's weights, not equal.
@@ -68,12 +70,13 @@ class GgufWeights:
     """The ``WeightSource`` of one GGUF in one of ``WEIGHT_FORMATS``."""
 
     def __init__(self, checkpoint: GgufCheckpoint, store: ExternalData, weight_format: str = "q4_1",
-                 accuracy_level: int = 0) -> None:
+                 accuracy_level: int = 0, head_rows: int = 0) -> None:
         if weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"weight format '{weight_format}' is not one of {WEIGHT_FORMATS}")
         if weight_format == "int8":
             accuracy_level = 4  # its only fast kernel (see ``linear``)
         self.checkpoint, self.store, self.format, self.accuracy_level = checkpoint, store, weight_format, accuracy_level
+        self.head_rows = head_rows
 
     def _init(self, g: _Graph, name: str, array: np.ndarray) -> str:
         g.initializers.append(self.store.tensor(name, array))
@@ -121,6 +124,12 @@ class GgufWeights:
                 refined = self._refined(g, x, in_size, lambda rows: self._q8_0(g, rows, label, tensors, in_size, None))
                 return refined if output is None else self._finish(g, "Identity", [refined], output)
             return self._q8_0(g, x, label, tensors, in_size, output)
+        if self.head_rows and names == ["lm_head.weight"] and encodings == {"Q8_0"}:
+            # The Q8_0 table at int8 activations over head_rows refined rows reads 28 MB per
+            # pair of rows, float32's head 113 MB (docs/models.md, the exact step's head).
+            refined = self._refined(g, x, in_size, lambda rows: self._q8_0(g, rows, label, tensors, in_size, None, 4),
+                                    rows=self.head_rows)
+            return self._finish(g, "Identity", [refined], output)
         if self.format == "int8":
             return self._int8(g, x, label, tensors, in_size, output)
         weight = np.concatenate([t.dequantize() for t in tensors]).T  # [in, out] for MatMul
@@ -162,33 +171,39 @@ class GgufWeights:
         return g.one("MatMulNBits", [x, self._init(g, label + ".q4", packed), self._init(g, label + ".s", d.reshape(-1))],
                      domain=MS, K=in_size, N=q.shape[0], bits=4, block_size=32, accuracy_level=self.accuracy_level)
 
-    def _refined(self, g: _Graph, x: str, in_size: int, product) -> str:
+    def _refined(self, g: _Graph, x: str, in_size: int, product, rows: int = 2) -> str:
         """``product(rows)`` of ``x`` to nearly float32 accuracy with int8 activations: ``x``
-        as int8 blocks would quantise it, and the remainder as a second row, whose own
-        rounding is 1/254 of the first's; the two rows' products summed. Row-local, so as
-        invariant as the product; at one new token the product's second row costs ~1 %
-        (MLAS runs two rows on one pass over the weights; docs/models.md, fidelity)."""
+        as int8 blocks would quantise it, then what that leaves, ``rows`` rows in all, each
+        remainder's rounding 1/254 of the one before; the rows' products summed. Row-local,
+        so as invariant as the product; at one new token the product's second row costs
+        ~1 % (MLAS runs two rows on one pass over the weights; docs/models.md, fidelity)."""
         c = lambda name, value, dtype=np.int64: g.const(name, np.array(value, dtype))  # noqa: E731
-        blocks = g.one("Reshape", [x, c("refine.blocks", [-1, in_size // 32, 32])])
-        scale = g.one("Div", [g.one("ReduceMax", [g.one("Abs", [blocks]), c("refine.last_axis", [-1])], keepdims=1),
-                              c("refine.int8_max", 127.0, np.float32)])
-        scale = g.one("Where", [g.one("Equal", [scale, c("refine.zero", 0.0, np.float32)]),
-                                c("refine.one", 1.0, np.float32), scale])
-        coarse = g.one("Mul", [g.one("Round", [g.one("Div", [blocks, scale])]), scale])
         shape = g.one("Shape", [x])
-        rows = g.one("Concat", [g.one("Reshape", [coarse, shape]),
-                                g.one("Reshape", [g.one("Sub", [blocks, coarse]), shape])], axis=0)
-        first, second = g.node("Split", [product(rows)], n_out=2, axis=0, num_outputs=2)
-        return g.one("Add", [first, second])
+        remainder = g.one("Reshape", [x, c("refine.blocks", [-1, in_size // 32, 32])])
+        last_axis, int8_max = c("refine.last_axis", [-1]), c("refine.int8_max", 127.0, np.float32)
+        zero, one = c("refine.zero", 0.0, np.float32), c("refine.one", 1.0, np.float32)
+        parts = []
+        for _ in range(rows - 1):
+            scale = g.one("Div", [g.one("ReduceMax", [g.one("Abs", [remainder]), last_axis], keepdims=1), int8_max])
+            scale = g.one("Where", [g.one("Equal", [scale, zero]), one, scale])
+            coarse = g.one("Mul", [g.one("Round", [g.one("Div", [remainder, scale])]), scale])
+            parts.append(g.one("Reshape", [coarse, shape]))
+            remainder = g.one("Sub", [remainder, coarse])
+        parts.append(g.one("Reshape", [remainder, shape]))
+        products = g.node("Split", [product(g.one("Concat", parts, axis=0))], n_out=rows, axis=0, num_outputs=rows)
+        total = products[0]
+        for part in products[1:]:
+            total = g.one("Add", [total, part])
+        return total
 
     def _q8_0(self, g: _Graph, x: str, label: str, tensors: list[GgufTensor], in_size: int,
-              output: str | None) -> str:
+              output: str | None, accuracy_level: int | None = None) -> str:
         parts = [q8_0_parts(t.data) for t in tensors]
         d = np.concatenate([p[0] for p in parts])
         q = (np.concatenate([p[1] for p in parts]).astype(np.int16) + 128).astype(np.uint8)  # zero point 128
         return self._finish(g, "MatMulNBits", [x, self._init(g, label + ".q8", q), self._init(g, label + ".s", d.reshape(-1))],
                             output, domain=MS, K=in_size, N=q.shape[0], bits=8, block_size=32,
-                            accuracy_level=self.accuracy_level)
+                            accuracy_level=self.accuracy_level if accuracy_level is None else accuracy_level)
 
     def _int8(self, g: _Graph, x: str, label: str, tensors: list[GgufTensor], in_size: int,
               output: str | None) -> str:
