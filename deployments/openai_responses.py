@@ -2,7 +2,7 @@
 engine committed for a request (its ``SequenceState``, ``SpeculativeStats`` and
 ``TokenEvent``s). The router only runs the request; everything the client reads is
 shaped here, next to the request models in ``openai_protocol.py``. A forced tool call's
-output is read as ``tool_calls`` (``tool_calls.ToolCallScanner``), whole or as stream deltas.
+output is read as ``tool_calls`` (``tool_calls.ToolPlan.scanner``), whole or as stream deltas.
 
 Every response carries the request's speculative statistics under ``speculative`` (over
 all its choices; a streamed choice's finishing chunk carries that choice's); with
@@ -24,7 +24,7 @@ from specserve.engine.speculative.sequence import TokenEvent
 from specserve.engine.speculative.stats import SpeculativeStats
 
 from .openai_protocol import ApiError
-from .tool_calls import ToolCallScanner, ToolPlan
+from .tool_calls import CallScanner, ToolPlan
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -128,7 +128,7 @@ class ResponseShaper:
                  tools: ToolPlan | None = None, event_per_token: bool = False) -> None:
         self.model_name, self.chat, self.token_ids, self.include_usage = model_name, chat, token_ids, include_usage
         self.tools = tools  # tools: the output is read as tool_calls, or as an auto reply
-        self._scanners: dict[int, ToolCallScanner] = {}  # per streamed choice
+        self._scanners: dict[int, CallScanner] = {}  # per streamed choice
         self.token_bytes = token_bytes
         self.per_prompt = choices_per_prompt  # n: choice i answers prompt i // n
         self.echoes = echoes

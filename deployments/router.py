@@ -51,7 +51,7 @@ from .readiness import CONNECT_WAIT_S, READY_WAIT_S, Readiness
 from .request_guard import RequestGuard
 from .settings import ServeSettings
 from .streaming import WriteBudget, cancel_when_dropped, token_writes
-from .tool_calls import ToolPlan, render_messages, tool_plan
+from .tool_calls import ToolPlan, render_prompt, tool_format, tool_plan
 from .transport import ServeTransport
 
 log = logging.getLogger("specserve.router")
@@ -124,6 +124,7 @@ class Router:
         self.bundle = Bundle.load(self.settings.model_dir)
         self.tokenizer = TextTokenizer(self.bundle.target_dir)
         self.chat_template = ChatTemplate.from_model_dir(self.bundle.target_dir)
+        self.tool_format = tool_format(self.chat_template)
         self.model_name = self.settings.served_model_name or self.bundle.name
         self.target, self.proposers = target, proposers
         self.transport: ServeTransport | None = None
@@ -288,8 +289,8 @@ class Router:
     async def chat_completions(self, body: ChatCompletionRequest):
         await self._ensure_ready()
         self._check_model(body.model)
-        tools = tool_plan(body)
-        prompt = self.chat_template.render(render_messages(body.messages, tools))
+        tools = tool_plan(body, self.tool_format)
+        prompt = render_prompt(self.chat_template, body.messages, tools)
         prompt_ids = self._encode(prompt)
         max_tokens = self._max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt_ids),
                                       "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
@@ -304,8 +305,7 @@ class Router:
         await self._ensure_ready()
         if body.model is not None:
             self._check_model(body.model)
-        text = body.prompt if body.messages is None else self.chat_template.render(
-            render_messages(body.messages, None))
+        text = body.prompt if body.messages is None else render_prompt(self.chat_template, body.messages, None)
         tokens = self.tokenizer.encode(text)
         return {"count": len(tokens), "max_model_len": self.max_context, "tokens": tokens}
 

@@ -1,8 +1,9 @@
 """Chat tool calls: OpenAI's ``tools`` and ``tool_choice`` turned into a grammar and a
 prompt, and the constrained output turned back into ``tool_calls``.
 
-One generic format serves every model, whatever its chat template (llama.cpp's approach;
-vLLM instead needs a parser per model family):
+A model whose chat template renders tools and asks for ``<tool_call>`` blocks gets its own
+format (``hermes_tool_calls``). Every other model gets one generic format, whatever its
+chat template (llama.cpp's approach; vLLM instead needs a parser per model family):
 - ``tool_choice`` naming a function: the output is that function's arguments, a JSON
   object held to its ``parameters`` schema by the grammar.
 - ``"required"``: the output is a JSON array of calls, each ``{"name": <one of the
@@ -37,11 +38,16 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 from specserve.engine.grammar.spec import StructuredOutput
+from specserve.engine.model.chat import ChatTemplate
 
+from . import hermes_tool_calls as hermes
+from .call_reading import CallReading
 from .openai_protocol import ApiError, ChatCompletionRequest, ChatMessage, NamedToolChoice
+
+ToolFormat = Literal["generic", "hermes"]  # how the model is shown tools and writes calls
 
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 # How "auto" output opens (the grammar writes JSON with fixed separators: JSON_STYLE in
@@ -90,6 +96,7 @@ class ToolPlan:
     named: str | None                      # the function tool_choice names
     parallel: bool = True
     auto: bool = False                     # "auto": a call or a reply
+    format: ToolFormat = "generic"
 
     def parameters(self, name: str) -> dict[str, Any]:
         """The schema a function's arguments are held to."""
@@ -116,7 +123,15 @@ class ToolPlan:
              "additionalProperties": False}]}
 
     def structured_output(self) -> StructuredOutput:
+        if self.format == "hermes":
+            return hermes.grammar([(f["name"], self.parameters(f["name"])) for f in self.functions],
+                                  self.named, self.parallel, self.auto)
         return StructuredOutput.json_schema(self.output_schema())
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template renders itself (the Hermes format); None: the
+        generic format shows them in a system message of its own (``instructions``)."""
+        return hermes.template_tools(self.functions) if self.format == "hermes" else None
 
     def instructions(self) -> str:
         """The system message that shows the model its tools and what to write."""
@@ -142,13 +157,22 @@ class ToolPlan:
         """Earlier calls (``{"name", "parameters"}`` each) as the model writes them."""
         return json.dumps({"tool_calls": calls} if self.auto else calls)
 
-    def scanner(self) -> "ToolCallScanner":
+    def scanner(self) -> "CallScanner":
+        if self.format == "hermes":
+            return hermes.HermesCallScanner(self.named, call_id, self.auto)
         return ToolCallScanner(self.named, self.auto)
 
 
-def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
-    """The request's tool calls, None for none (no tools, or ``"none"``); raises
-    ``ApiError`` for tools beside another output format."""
+def tool_format(template: ChatTemplate) -> ToolFormat:
+    """The format a model is served tool calls in: ``hermes`` where its chat template
+    renders the tools it is given and asks for ``<tool_call>`` blocks, else ``generic``."""
+    native = template.source is not None and hermes.OPEN.strip() in template.source and template.renders_tools()
+    return "hermes" if native else "generic"
+
+
+def tool_plan(body: ChatCompletionRequest, format: ToolFormat = "generic") -> ToolPlan | None:
+    """The request's tool calls in ``format`` (``tool_format``), None for none (no tools,
+    or ``"none"``); raises ``ApiError`` for tools beside another output format."""
     if not body.tools or body.tool_choice == "none":
         return None
     choice = body.tool_choice
@@ -160,7 +184,7 @@ def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
                        "parameters": t.function.parameters or NO_ARGUMENTS, "strict": t.function.strict}
                       for t in body.tools)
     named = choice.function.name if isinstance(choice, NamedToolChoice) else None
-    return ToolPlan(functions, named, body.parallel_tool_calls, auto=choice in (None, "auto"))
+    return ToolPlan(functions, named, body.parallel_tool_calls, auto=choice in (None, "auto"), format=format)
 
 
 def _held_schema(parameters: dict[str, Any], strict: bool | None) -> dict[str, Any]:
@@ -169,18 +193,29 @@ def _held_schema(parameters: dict[str, Any], strict: bool | None) -> dict[str, A
 
 def render_messages(messages: Sequence[ChatMessage], plan: ToolPlan | None) -> list[dict]:
     """The messages the chat template renders: earlier calls as the JSON written for
-    them, and, with tools, the tools' system message first."""
+    them, and, with tools, the tools' system message first; in the Hermes format, the
+    calls as the template's own ``tool_calls`` and no system message of ours."""
     rendered = []
+    native = plan is not None and plan.format == "hermes"
     for message in messages:
         item = message.model_dump(exclude_none=True, exclude={"tool_calls", "tool_call_id"})
-        if message.tool_calls and not item.get("content"):
+        if message.tool_calls and native:
+            item = hermes.template_message(item, [(c.function.name, _arguments(c.function.arguments))
+                                                  for c in message.tool_calls])
+        elif message.tool_calls and not item.get("content"):
             calls = [{"name": c.function.name, "parameters": _arguments(c.function.arguments)}
                      for c in message.tool_calls]
             item["content"] = plan.written_calls(calls) if plan is not None else json.dumps(calls)
         rendered.append(item)
-    if plan is not None:
+    if plan is not None and not native:
         rendered.insert(0, {"role": "system", "content": plan.instructions()})
     return rendered
+
+
+def render_prompt(template: ChatTemplate, messages: Sequence[ChatMessage], plan: ToolPlan | None) -> str:
+    """The chat's prompt: ``render_messages`` through the template, with the tools where
+    the template renders them."""
+    return template.render(render_messages(messages, plan), tools=plan.template_tools() if plan else None)
 
 
 def _arguments(text: str) -> Any:
@@ -231,7 +266,7 @@ class _Call:
 
 
 @dataclass
-class ToolCallScanner:
+class ToolCallScanner(CallReading):
     """Reads the output as it grows (``feed``) and says which complete calls it holds
     (``tool_calls``), which are new (``deltas``, OpenAI's streaming shape) and, for an
     ``auto`` reply, its text (``content``, ``content_delta``).
@@ -343,34 +378,9 @@ class ToolCallScanner:
         """The calls whose arguments are complete JSON, in order (they complete in order)."""
         return [call for call in self.calls if self._complete(call)]
 
-    def deltas(self) -> list[dict]:
-        """OpenAI's ``delta.tool_calls`` entries for the calls completed since the last
-        call: each whole, with its id, type, name and arguments."""
-        out = []
-        for index, call in enumerate(self.complete_calls()):
-            if not call.sent:
-                call.sent = True
-                out.append({"index": index, "id": call.id, "type": "function",
-                            "function": {"name": call.name, "arguments": self.arguments(call)}})
-        return out
-
-    def tool_calls(self) -> list[dict]:
-        """The complete calls: the message's ``tool_calls``."""
-        return [{"id": call.id, "type": "function", "function": {"name": call.name, "arguments": self.arguments(call)}}
-                for call in self.complete_calls()]
-
     def content(self) -> str | None:
         """An ``auto`` reply's text so far; None for calls."""
         return decoded_prefix(self.text[len(REPLY_OPENING):]) if self.reply else None
 
-    def content_delta(self) -> str:
-        """The reply's text added since the last call."""
-        text = self.content() or ""
-        new, self._content_sent = text[self._content_sent:], len(text)
-        return new
 
-    def message(self) -> dict[str, Any]:
-        """The whole response's assistant message."""
-        if self.reply:
-            return {"role": "assistant", "content": self.content()}
-        return {"role": "assistant", "content": None, "tool_calls": self.tool_calls() or None}
+CallScanner = ToolCallScanner | hermes.HermesCallScanner  # one reading of the output per format

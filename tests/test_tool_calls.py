@@ -1,13 +1,19 @@
 """Reading tool calls out of the output as it grows: only complete calls come back,
 streamed deltas add up to the whole response, an ``auto`` reply's JSON string decodes
-to its text a prefix at a time, and strict schemas are closed."""
+to its text a prefix at a time, and strict schemas are closed; a chat template that
+renders tools in ``<tool_call>`` tags gets that format, held by its grammar."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from specserve.deployments.tool_calls import ToolPlan, closed, decoded_prefix
+from specserve.deployments.openai_protocol import ChatCompletionRequest
+from specserve.deployments.tool_calls import (ToolPlan, closed, decoded_prefix, render_prompt, tool_format,
+                                              tool_plan)
+from specserve.engine import GenerationOptions
+from specserve.engine.model.chat import ChatTemplate
 
 WEATHER = {"name": "get_weather", "description": None,
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
@@ -70,3 +76,78 @@ def test_strict_schemas_close_every_object_that_says_nothing_of_extra_keys():
     assert shut["properties"]["tags"]["items"]["additionalProperties"] is False
     assert shut["properties"]["extra"]["additionalProperties"] is True
     assert "additionalProperties" not in schema  # the request's own schema is untouched
+
+
+# -- the Hermes format: a chat template that renders tools and asks for <tool_call> blocks --
+
+HERMES = ChatTemplate((Path(__file__).parent / "data/hermes_chat_template.jinja").read_text())
+CHATML = ChatTemplate("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+CITIES = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]}}, "required": ["city"]}
+
+
+def weather_request(parameters: dict = WEATHER["parameters"], **fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [{"role": "user", "content": "What's the weather in Paris?"}],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": parameters}}], **fields})
+
+
+def test_a_template_that_renders_tools_in_tool_call_tags_gets_its_own_format():
+    assert tool_format(HERMES) == "hermes"
+    assert tool_format(CHATML) == "generic" and tool_format(ChatTemplate()) == "generic"
+
+
+def test_the_hermes_template_shows_the_tools_and_earlier_calls_itself():
+    body = weather_request(messages=[
+        {"role": "user", "content": "What's the weather in Paris?"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": '{"temperature": 21}'}])
+    prompt = render_prompt(HERMES, body.messages, tool_plan(body, "hermes"))
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in prompt
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert "<tool_response>\n{\"temperature\": 21}\n</tool_response>" in prompt
+    assert "respond with JSON" not in prompt  # no system message of the generic format
+
+
+@pytest.mark.parametrize("step", [1, 5, 200])
+def test_hermes_calls_come_whole_when_their_block_closes_and_a_cut_one_never(step):
+    plan = ToolPlan((WEATHER,), None, format="hermes")
+    text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Ly')
+    scanner, calls, content = fed(plan, text, step)
+    assert [c["function"]["arguments"] for c in calls] == ['{"city": "Paris"}'] == \
+        [c["function"]["arguments"] for c in scanner.tool_calls()]
+    assert content == "" and scanner.message()["content"] is None
+
+
+def test_a_hermes_auto_reply_streams_as_its_text():
+    scanner, calls, content = fed(ToolPlan((WEATHER,), None, auto=True, format="hermes"), "Hello <b>there</b>", 3)
+    assert calls == [] and content == "Hello <b>there</b>" == scanner.message()["content"]
+
+
+@pytest.mark.parametrize("choice", ["required", "auto", {"type": "function", "function": {"name": "get_weather"}}])
+def test_the_hermes_grammar_holds_the_model_to_calls_of_the_tools_named(target_engine, choice):
+    """The bundled fixture (random weights, so nothing but the grammar makes it call) with
+    the Hermes template: a forced call parses and satisfies its schema; "auto" gives a
+    call or a reply, never both and never a broken call; a cut call is not returned."""
+    body = weather_request(CITIES, tool_choice=choice, parallel_tool_calls=False)  # a city the fixture can finish
+    plan = tool_plan(body, tool_format(HERMES))
+    prompt = render_prompt(HERMES, body.messages, plan)
+    for max_tokens, cut in ((96, False), (6, True)):
+        result = target_engine.generate(prompt, GenerationOptions(max_new_tokens=max_tokens,
+                                                                  structured_output=plan.structured_output()))
+        scanner = plan.scanner()
+        scanner.feed(result.text)
+        message = scanner.message()
+        if scanner.reply:
+            assert choice == "auto" and not result.text.startswith("<") and message.get("tool_calls") is None
+            continue
+        calls = message["tool_calls"] or []
+        if cut:
+            assert result.finish_reason == "length" and calls == []
+            continue
+        assert result.finish_reason == "stop" and [c["function"]["name"] for c in calls] == ["get_weather"]
+        assert json.loads(calls[0]["function"]["arguments"])["city"] in ("Paris", "Lyon")
