@@ -1,7 +1,7 @@
 """The task suite: every speculative mode on what users send, against target-only.
 
     .venv/bin/python bench/tasks.py [--modes none prompt_lookup suffix eagle3 ...] [--target-format exact]
-        [--new-tokens 128] [--streams 1 32] [--threads 2] [--record DIR]
+        [--new-tokens 128] [--streams 1 32] [--threads 2] [--served] [--record DIR]
 
 Prompts come from ``bench/data/task_suite.json``, written for this bench (no test reads
 them), in three kinds:
@@ -20,7 +20,10 @@ decode tokens/s (first token to last) summed over a kind's requests (at several 
 a kind's tokens over the seconds its requests were decoding, summed); tau is tokens
 committed per target pass; every output is checked against target-only's. At N > 1
 streams (``--streams``, default 1 then 32) the suite's requests run N at a time, every
-mode on the same batches.
+mode on the same batches. ``--served`` then runs the one-stream suite again through the
+server (a local Ray, the same bundle and format, the official chat endpoint streamed),
+its prefix cache reset before every request and its suffix cache after its warm-up, every
+output checked against in-process target-only's.
 """
 from __future__ import annotations
 
@@ -99,17 +102,20 @@ def rotated(modes: list[str], n: int) -> list[str]:
     return modes[shift:] + modes[:shift]
 
 
-def one_stream(engine: Engine, suite: dict, modes: list[str], new_tokens: int) -> dict[str, dict[str, Tally]]:
+def one_stream(run: Callable[[list[dict], str], "Reply"], suite: dict, modes: list[str],
+               expected_of: Callable[[list[dict]], list[int]] | None = None) -> dict[str, dict[str, Tally]]:
+    """Every request in every mode, one at a time, through ``run(messages, mode)``; each
+    output checked against target-only's (``expected_of(messages)``, else this run's)."""
     tallies: dict[str, dict[str, Tally]] = {kind: defaultdict(Tally) for kind in KINDS}
     counter = 0
 
-    def each_mode(kind: str, messages: list[dict]) -> GenerationResult:
+    def each_mode(kind: str, messages: list[dict]) -> "Reply":
         nonlocal counter
         results = {}
         for mode in rotated(modes, counter):
-            results[mode] = run_one(engine, messages, mode, new_tokens)
+            results[mode] = run(messages, mode)
         counter += 1
-        expected = results["none"].token_ids
+        expected = expected_of(messages) if expected_of else results["none"].token_ids
         for mode, result in results.items():
             add(tallies[kind][mode], result, expected)
         print(f"  {kind:9s} {counter:3d}: {len(expected)} tokens, "
@@ -123,6 +129,88 @@ def one_stream(engine: Engine, suite: dict, modes: list[str], new_tokens: int) -
     for messages in grounded_and_chat(suite, "chat"):
         each_mode("chat", messages)
     return tallies
+
+
+@dataclass
+class ServedReply:
+    """What the tallies and the agentic loops read of a served reply."""
+
+    text: str
+    token_ids: list[int]
+    decode_seconds: float        # first token to last, as the client saw them arrive
+    speculative: SpeculativeStats
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+Reply = GenerationResult | ServedReply
+
+
+def served_runner(base: str, new_tokens: int) -> Callable[[list[dict], str], ServedReply]:
+    """One streamed chat completion per call, with the official request fields and
+    vLLM's ``return_token_ids``; the prefix cache reset first."""
+    import httpx
+
+    client = httpx.Client(timeout=300)
+
+    def run(messages: list[dict], mode: str) -> ServedReply:
+        client.post(f"{base}/reset_prefix_cache").raise_for_status()
+        body = {"messages": messages, "max_tokens": new_tokens, "temperature": 0, "stream": True,
+                "speculative_mode": mode, "return_token_ids": True}
+        text, ids, stamps, spec = "", [], [], {}
+        with client.stream("POST", f"{base}/v1/chat/completions", json=body) as response:
+            response.raise_for_status()
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                spec = chunk.get("speculative") or spec
+                for choice in chunk.get("choices", []):
+                    text += choice["delta"].get("content") or ""
+                    ids += choice.get("token_ids") or []
+                    stamps += [time.perf_counter()] * len(choice.get("token_ids") or [])
+        rounds = spec.get("rounds", 0)
+        stats = SpeculativeStats(mode=mode, verification_steps=rounds,
+                                 committed_tokens=round(spec.get("mean_accepted_length", 0) * rounds),
+                                 lookups=spec.get("lookups", 0),
+                                 lookup_hits=round(spec.get("lookup_hit_rate", 0) * spec.get("lookups", 0)))
+        return ServedReply(text, ids, stamps[-1] - stamps[0] if stamps else 0.0, stats)
+    return run
+
+
+def served_suite(args: argparse.Namespace, engine: Engine, suite: dict, modes: list[str]) -> None:
+    """The one-stream suite through a local server; outputs checked against in-process
+    target-only's on the same messages."""
+    import httpx
+    import ray
+    from ray import serve
+
+    from specserve.cluster.local import serve_local, start_local_ray
+
+    start_local_ray()
+    base = f"http://127.0.0.1:{args.port}"
+    try:
+        serve_local({"model_dir": str(engine.bundle.directory), "engine": {
+            "device": "cpu", "intra_op_threads": args.threads, "target_format": args.target_format}}, port=args.port)
+        run = served_runner(base, args.new_tokens)
+        for mode in modes:  # warm-up, on text outside the suite
+            run([{"role": "user", "content": "Say hello."}], mode)
+        httpx.post(f"{base}/reset_suffix_cache", timeout=30).raise_for_status()
+        print(f"task suite served: {args.target_format} format, greedy, EOS honoured, at most {args.new_tokens} "
+              f"tokens, 1 stream, through the server; identity against in-process target-only\n")
+        expected: dict[str, list[int]] = {}
+
+        def in_process(messages: list[dict]) -> list[int]:
+            key = json.dumps(messages)
+            if key not in expected:
+                expected[key] = run_one(engine, messages, "none", args.new_tokens).token_ids
+            return expected[key]
+        report(one_stream(run, suite, modes, in_process), modes)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
 
 def many_streams(engine: Engine, suite: dict, modes: list[str], new_tokens: int,
@@ -201,6 +289,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--served", action="store_true", help="also run the one-stream suite through the server")
+    parser.add_argument("--port", type=int, default=8012)
     record.add_option(parser)
     args = parser.parse_args()
     suite = json.loads(SUITE.read_text())
@@ -217,11 +307,14 @@ def main() -> None:
             print(f"task suite: {args.target_format} format, greedy, EOS honoured, at most {args.new_tokens} tokens, "
                   f"{streams} stream(s), {args.threads} threads, adaptive speculation (the default)\n")
             if streams == 1:
-                tallies = one_stream(engine, suite, modes, args.new_tokens)
+                tallies = one_stream(lambda messages, mode: run_one(engine, messages, mode, args.new_tokens), suite,
+                                     modes)
             else:
                 tallies = many_streams(engine, suite, modes, args.new_tokens, streams)
             report(tallies, modes)
             print()
+        if args.served:
+            served_suite(args, engine, suite, modes)
 
 
 if __name__ == "__main__":
