@@ -7,7 +7,7 @@
   fixed k;
 - ``heads-*.png``: each proposer's acceptance per draft position, at its longest k;
 - ``tasks-*.png``: the task suite, speed over target-only per mode and kind of task, at
-  each stream count.
+  each stream count, in-process and served.
 
 ``bench/record.py`` draws a record's picture when it writes the record, so a picture
 always shows the numbers its record holds.
@@ -57,18 +57,23 @@ def acceptance_series(record: Path) -> list[Series]:
     return [(f"{mode} (k={k})", [(i + 1, a) for i, a in enumerate(values)]) for mode, (k, values) in longest.items()]
 
 
-def task_tables(record: Path) -> dict[int, dict[str, dict[str, float]]]:
-    """streams -> kind -> mode -> speed over target-only."""
-    tables: dict[int, dict[str, dict[str, float]]] = {}
-    streams = None
+def task_tables(record: Path) -> dict[str, dict[str, dict[str, float]]]:
+    """Each table's title ("1 stream", "32 streams", "1 stream, served") -> kind -> mode ->
+    speed over target-only, in the record's order."""
+    tables: dict[str, dict[str, dict[str, float]]] = {}
+    title = None
     for line in output_lines(record):
         header = re.search(r"(\d+) stream\(s\)", line)
         if header:
             streams = int(header.group(1))
+            title = f"{streams} stream{'s' if streams > 1 else ''}"
+            continue
+        if line.startswith("task suite served"):
+            title = "1 stream, served"
             continue
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if streams is not None and len(cells) == 8 and cells[6].endswith("x"):
-            tables.setdefault(streams, {}).setdefault(cells[0], {})[cells[1]] = float(cells[6][:-1])
+        if title is not None and len(cells) == 8 and cells[6].endswith("x"):
+            tables.setdefault(title, {}).setdefault(cells[0], {})[cells[1]] = float(cells[6][:-1])
     return tables
 
 
@@ -85,7 +90,7 @@ def draw(record: Path) -> Path | None:
     if bench == "tasks":
         tables = task_tables(record)
         figure, axes = plt.subplots(1, len(tables), figsize=(6 * len(tables), 4.2), squeeze=False)
-        for axis, (streams, kinds) in zip(axes[0], sorted(tables.items())):
+        for axis, (title, kinds) in zip(axes[0], tables.items()):
             modes = list(next(iter(kinds.values())))
             width = 0.8 / len(kinds)
             for i, (kind, speeds) in enumerate(kinds.items()):
@@ -94,7 +99,7 @@ def draw(record: Path) -> Path | None:
             axis.axhline(1.0, color="black", linewidth=0.8)
             axis.set_xticks([m + width * (len(kinds) - 1) / 2 for m in range(len(modes))], modes, rotation=30,
                             ha="right")
-            axis.set_title(f"{streams} stream{'s' if streams > 1 else ''}")
+            axis.set_title(title)
             axis.set_ylabel("speed over target-only")
             axis.legend(fontsize=8)
         figure.suptitle(f"Task suite, greedy, adaptive ({record.name})")
