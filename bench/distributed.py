@@ -43,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import record  # noqa: E402
+from bench import record, sse  # noqa: E402
 from specserve.engine import Engine, EngineConfig, GenerationOptions  # noqa: E402
 from specserve.engine.model.default_model import DEFAULT_MODEL_DIR  # noqa: E402
 
@@ -112,10 +112,7 @@ def server_runner(base_url: str, mode: str, new_tokens: int):
         started = time.perf_counter()
         with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
             response.raise_for_status()
-            for line in response.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+            for chunk in sse.chunks(response):
                 if chunk.get("speculative"):
                     rounds = chunk["speculative"]["rounds"]
                 now = time.perf_counter()

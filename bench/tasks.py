@@ -40,7 +40,7 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import record  # noqa: E402
+from bench import record, sse  # noqa: E402
 from specserve.engine import Engine, EngineConfig, GenerationOptions, GenerationResult  # noqa: E402
 from specserve.engine.speculative.stats import SpeculativeStats  # noqa: E402
 
@@ -162,10 +162,7 @@ def served_runner(base: str, new_tokens: int) -> Callable[[list[dict], str], Ser
         text, ids, stamps, spec = "", [], [], {}
         with client.stream("POST", f"{base}/v1/chat/completions", json=body) as response:
             response.raise_for_status()
-            for line in response.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+            for chunk in sse.chunks(response):
                 spec = chunk.get("speculative") or spec
                 for choice in chunk.get("choices", []):
                     text += choice["delta"].get("content") or ""

@@ -116,20 +116,17 @@ class GgufWeights:
         # 8-bit MatMulNBits has a fast kernel only with int8 activations (accuracy level 4):
         # at level 0 the 49152 x 576 LM head took 130 ms a token against fp32's 6.2 ms
         # (docs/models.md), so exact 8-bit weights run as float32.
-        if self.accuracy_level == 4 and encodings == {"Q8_0"}:
-            if names == ["lm_head.weight"]:
-                # The logits are the one product whose int8 rounding no later rounding
-                # hides: refined, 98.43 % top-1 against float32 instead of 97.97 %, KL 4.0e-3
-                # instead of 4.9e-3 (docs/models.md, fidelity).
-                refined = self._refined(g, x, in_size, lambda rows: self._q8_0(g, rows, label, tensors, in_size, None))
-                return refined if output is None else self._finish(g, "Identity", [refined], output)
-            return self._q8_0(g, x, label, tensors, in_size, output)
-        if self.head_rows and names == ["lm_head.weight"] and encodings == {"Q8_0"}:
-            # The Q8_0 table at int8 activations over head_rows refined rows reads 28 MB per
-            # pair of rows, float32's head 113 MB (docs/models.md, the exact step's head).
+        if encodings == {"Q8_0"} and names == ["lm_head.weight"] and (self.accuracy_level == 4 or self.head_rows):
+            # The logits are the one product whose int8 rounding no later rounding hides:
+            # refined over two rows, 98.43 % top-1 against float32 instead of 97.97 %, KL
+            # 4.0e-3 instead of 4.9e-3 (docs/models.md, fidelity); over head_rows in an
+            # exact graph, as close to float32 as a float32 head, reading 28 MB per pair of
+            # rows where float32 reads 113 MB (docs/models.md, the exact step's head).
             refined = self._refined(g, x, in_size, lambda rows: self._q8_0(g, rows, label, tensors, in_size, None, 4),
-                                    rows=self.head_rows)
-            return self._finish(g, "Identity", [refined], output)
+                                    rows=self.head_rows or 2)
+            return refined if output is None else self._finish(g, "Identity", [refined], output)
+        if self.accuracy_level == 4 and encodings == {"Q8_0"}:
+            return self._q8_0(g, x, label, tensors, in_size, output)
         if self.format == "int8":
             return self._int8(g, x, label, tensors, in_size, output)
         weight = np.concatenate([t.dequantize() for t in tensors]).T  # [in, out] for MatMul
