@@ -87,8 +87,11 @@ def chat(argv: list[str]) -> int:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--speculative", default=None, help="speculative mode (default: the engine's or "
                         "server's default)")
-    parser.add_argument("--target-format", choices=["auto", "exact", "fast"], default="auto",
-                        help="embedded: the target's format (docs/models.md)")
+    # A person reads a chat: float32's own answer is worth the format's ~20 % of tokens/s there
+    # (README, "The specserve command"); throughput paths keep `auto`.
+    parser.add_argument("--target-format", choices=["auto", "exact", "fast"], default="exact",
+                        help="embedded: the target's format (default exact: float32's own tokens; "
+                        "docs/models.md)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     args = parser.parse_args(argv)
     if args.url is not None:
