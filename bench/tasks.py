@@ -1,7 +1,7 @@
 """The task suite: every speculative mode on what users send, against target-only.
 
     .venv/bin/python bench/tasks.py [--modes none prompt_lookup suffix eagle3 ...] [--target-format exact]
-        [--new-tokens 128] [--streams 1 32] [--threads 2] [--served] [--record DIR]
+        [--new-tokens 128] [--streams 1 32] [--repeats 3] [--threads 2] [--served] [--record DIR]
 
 Prompts come from ``bench/data/task_suite.json``, written for this bench (no test reads
 them), in three kinds:
@@ -211,9 +211,10 @@ def served_suite(args: argparse.Namespace, engine: Engine, suite: dict, modes: l
 
 
 def many_streams(engine: Engine, suite: dict, modes: list[str], new_tokens: int,
-                 streams: int) -> dict[str, dict[str, Tally]]:
+                 streams: int, repeats: int = 1) -> dict[str, dict[str, Tally]]:
     """Every request of the suite, ``streams`` at a time, each mode on the same batches
-    (the modes' order rotating from batch to batch). The suite's requests are distinct,
+    (the modes' order rotating from batch to batch), each batch ``repeats`` times in every
+    mode, the order rotating again each time. The suite's requests are distinct,
     so no request shares a batch with a copy of itself; the suffix cache is reset before
     every mode's batch. The agentic loops need target-only's replies for their history:
     their turns are built at one stream first (untimed)."""
@@ -228,19 +229,22 @@ def many_streams(engine: Engine, suite: dict, modes: list[str], new_tokens: int,
     run_many(engine, [chat for _, chat in requests[:streams]], "none", new_tokens)
     for mode in modes:
         run_many(engine, [chat for _, chat in requests[:streams]], mode, 8)
+    turn = 0
     for n, start in enumerate(range(0, len(requests), streams)):
         batch = requests[start:start + streams]
-        results, walls = {}, {}
-        for mode in rotated(modes, n):
-            engine.reset_suffix_cache()
-            results[mode], walls[mode] = run_many(engine, [chat for _, chat in batch], mode, new_tokens)
-        for mode, got in results.items():
-            whole = tallies["all (wall clock)"][mode]
-            for (kind, _), result, expected in zip(batch, got, results["none"]):
-                add(tallies[kind][mode], result, expected.token_ids)
-                add(whole, result, expected.token_ids)
-            whole.seconds += walls[mode] - sum(r.decode_seconds for r in got)  # the batch's wall clock
-        print(f"  batch {n + 1}: {len(batch)} streams done", file=sys.stderr)
+        for _ in range(repeats):
+            results, walls = {}, {}
+            for mode in rotated(modes, turn):
+                engine.reset_suffix_cache()
+                results[mode], walls[mode] = run_many(engine, [chat for _, chat in batch], mode, new_tokens)
+            turn += 1
+            for mode, got in results.items():
+                whole = tallies["all (wall clock)"][mode]
+                for (kind, _), result, expected in zip(batch, got, results["none"]):
+                    add(tallies[kind][mode], result, expected.token_ids)
+                    add(whole, result, expected.token_ids)
+                whole.seconds += walls[mode] - sum(r.decode_seconds for r in got)  # the batch's wall clock
+            print(f"  batch {n + 1}: {len(batch)} streams done", file=sys.stderr)
     return tallies
 
 
@@ -286,6 +290,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each batch in every mode at N > 1 streams")
     parser.add_argument("--served", action="store_true", help="also run the one-stream suite through the server")
     parser.add_argument("--port", type=int, default=8012)
     record.add_option(parser)
@@ -302,12 +307,13 @@ def main() -> None:
         for streams in args.streams:
             engine.reset_suffix_cache()
             print(f"task suite: {args.target_format} format, greedy, EOS honoured, at most {args.new_tokens} tokens, "
-                  f"{streams} stream(s), {args.threads} threads, adaptive speculation (the default)\n")
+                  f"{streams} stream(s), {args.threads} threads, adaptive speculation (the default)"
+                  + (f", each batch {args.repeats} times" if streams > 1 else "") + "\n")
             if streams == 1:
                 tallies = one_stream(lambda messages, mode: run_one(engine, messages, mode, args.new_tokens), suite,
                                      modes)
             else:
-                tallies = many_streams(engine, suite, modes, args.new_tokens, streams)
+                tallies = many_streams(engine, suite, modes, args.new_tokens, streams, args.repeats)
             report(tallies, modes)
             print()
         if args.served:
