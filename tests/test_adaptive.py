@@ -7,6 +7,7 @@ arithmetic, not against a timing; the engine tests run the real models.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -18,9 +19,9 @@ from specserve.engine.sched.call_clock import SerialCallClock
 from specserve.engine.sched.cost_tables import DraftCostTable, VerifyCostTable
 from specserve.engine.sched.verify_split import verify_groups
 from specserve.engine.sched.acceptance import AcceptanceTracker
-from specserve.engine.sched.call_pricing import CATCH_UP_STEPS
-from specserve.engine.sched.draft_length import (ENGAGE_MARGIN, EXPLORE_BACKOFF, EXPLORE_BATCH, DraftLengthPlanner,
-                                                 DraftRequest, explore_wait)
+from specserve.engine.sched.call_pricing import CATCH_UP_STEPS, catch_up_seconds
+from specserve.engine.sched.draft_length import (ENGAGE_MARGIN, EXPLORE_BACKOFF, EXPLORE_BATCH, EXPLORE_SHARE,
+                                                 DraftLengthPlanner, DraftRequest, explore_wait)
 from specserve.engine.sched.draft_policy import RoundPlan, RoundTime
 from specserve.engine.speculative.proposers.registry import HEAD_MODES
 
@@ -340,6 +341,29 @@ def test_a_draft_model_explored_from_no_drafts_drafts_a_second_round_to_be_measu
     heads = controller({"eagle3": 0.7}, heads=DraftCostTable({(1, 1): 0.05, (1, 4): 0.2, (8, 1): 0.4, (8, 4): 1.6}))
     plans = [heads.plan([DraftRequest("s", "eagle3", 4, True)]).num_drafts for _ in range(alone + 1)]
     assert plans[alone - 1] == [1] and plans[alone] == [0]  # a head has no catch-up
+
+
+def test_a_draft_model_explores_a_request_it_has_not_seen_only_once_plain_rounds_pay_its_prefill():
+    """Explored from k = 0 on a request it has never seen, a draft model first prefills the
+    whole context: at one stream on agentic requests that cost it 7-21 % of their time. So
+    the exploration waits until the plain rounds since the last one took 1 / EXPLORE_SHARE
+    times its predicted catch-up; a request it has seen (no lag), or whose catch-up is
+    short, explores at its turn."""
+    alone = int(explore_wait(1))
+    dear = DraftCostTable({(1, 1): 0.05, (1, 4): 0.2, (4, 1): 0.2, (4, 4): 0.8})  # 50 ms a step: never pays
+    loaded = controller({"draft_model": 0.7}, draft=dear)
+    unseen = DraftRequest("s", "draft_model", 4, True, cold=True, lag=600)
+    prefill = catch_up_seconds(loaded.draft_costs, "draft_model", 600)
+    round_s = loaded.verify_costs.predict(1, 1)
+    due = math.ceil(prefill / (EXPLORE_SHARE * round_s))  # plain rounds that pay for it
+    assert due > 2 * alone
+    plans = [loaded.plan([unseen]).num_drafts for _ in range(due + 1)]
+    first = plans.index([1])
+    assert due - 1 <= first <= due + 1 and all(plan == [0] for plan in plans[:first])
+    for lag in (0, 1):
+        seen = controller({"draft_model": 0.7}, draft=dear)
+        plans = [seen.plan([replace(unseen, lag=lag)]).num_drafts for _ in range(alone)]
+        assert plans[alone - 1] == [1], lag
 
 
 def test_a_mode_that_stopped_short_of_its_maximum_tries_one_position_deeper_now_and_then():

@@ -30,6 +30,15 @@ class MeasuredCosts(Protocol):
     async def draft_costs(self, mode: str) -> DraftCostTable: ...
 
 
+def lag(driver: SequenceDriver) -> int:
+    """Tokens a remote proposer must feed before it drafts this round beyond what one round
+    commits: the whole context at first contact."""
+    if not driver.remote_proposer:
+        return 0
+    seen = driver.proposer_seen
+    return tokens_behind(seen, len(driver.state.tokens) - seen, driver.num_drafts)
+
+
 def catch_up(driver: SequenceDriver) -> float:
     """Tokens a remote proposer must feed before it drafts this round beyond what one
     round commits -- what rounds without drafts committed, or the whole context at first
@@ -38,10 +47,9 @@ def catch_up(driver: SequenceDriver) -> float:
     request it is not worth it)."""
     if not driver.remote_proposer:
         return 0.0
-    state, seen = driver.state, driver.proposer_seen
-    lag = tokens_behind(seen, len(state.tokens) - seen, driver.num_drafts)
+    state = driver.state
     left = state.options.max_new_tokens - (len(state.tokens) - state.prompt_len)
-    return lag / max(1.0, left / ROUND_TOKENS)
+    return lag(driver) / max(1.0, left / ROUND_TOKENS)
 
 
 def proposer_cold(driver: SequenceDriver) -> bool:
@@ -62,7 +70,7 @@ def draft_request(driver: SequenceDriver) -> DraftRequest:
     return DraftRequest(driver.seq_id, driver.mode, most_drafts(driver), driver.adaptive, catch_up(driver),
                         driver.ending, proposer_cold(driver),
                         driver.max_num_drafts() if driver.local_proposer is not None else 0,
-                        primed(driver), driver.draft_class)
+                        primed(driver), driver.draft_class, lag(driver))
 
 
 class AdaptiveDrafts:

@@ -36,6 +36,16 @@ class DraftRequest:
     primed: bool = True    # its proposer could draft now: it needs no anchor, or holds the one its sequence's
                            # last target call brought back (``DraftLengthPlanner.plan``: anchors on demand)
     draft_class: str = ""  # the class of the drafts it found (``Proposal.draft_class``; "" unclassed)
+    lag: int = 0           # tokens a draft model must feed before it drafts, in all (the whole context
+                           # where it has not seen the sequence): what exploring from 0 pays first
+
+
+def catch_up_seconds(draft_costs: DraftCostModel, mode: str, tokens: float) -> float:
+    """Seconds a draft model spends catching up on ``tokens`` (a head restarts every pass:
+    it has none)."""
+    if not tokens or mode in draft_costs.heads:
+        return 0.0
+    return tokens * draft_costs.catch_up_token(mode, CATCH_UP_STEPS)
 
 
 class CallPricing:
@@ -119,8 +129,6 @@ class CallPricing:
 
 
 def _catch_up_s(draft_costs: DraftCostModel, r: DraftRequest) -> float:
-    """Seconds a draft model's catch-up adds to this round if the sequence drafts (a head
-    restarts every pass: it has none)."""
-    if not r.catch_up or r.mode in draft_costs.heads:
-        return 0.0
-    return r.catch_up * draft_costs.catch_up_token(r.mode, CATCH_UP_STEPS)
+    """Seconds a draft model's catch-up adds to this round if the sequence drafts: its
+    share of the request's rounds left (``DraftRequest.catch_up``)."""
+    return catch_up_seconds(draft_costs, r.mode, r.catch_up)

@@ -41,7 +41,7 @@ from itertools import product
 from typing import Iterable, NamedTuple, Sequence, Union
 
 from specserve.engine.sched.acceptance import AcceptanceTracker, LookupTracker
-from specserve.engine.sched.call_pricing import CallPricing, DraftRequest
+from specserve.engine.sched.call_pricing import CallPricing, DraftRequest, catch_up_seconds
 from specserve.engine.sched.cost_models import DraftCostModel, VerifyCostModel
 from specserve.engine.sched.cost_tables import DraftCostTable, VerifyCostTable
 from specserve.engine.sched.draft_policy import ProposerCall, RoundPlan, RoundTime, SequenceRound, TargetCall
@@ -65,6 +65,17 @@ EXPLORE_EVERY, EXPLORE_BATCH, EXPLORE_MIN = 32, 4, 8
 # at 0 doubles that mode's wait, up to EXPLORE_BACKOFF times (256 rounds alone); a plan
 # that drafts for the mode again starts it over.
 EXPLORE_BACKOFF = 32
+# A draft model explored from 0 first feeds the tokens it missed, on a request it has not
+# seen the whole context: ~200 ms for an agentic request of several hundred tokens, and at
+# one stream such explorations cost the adaptive draft model 7-21 % of its requests' time
+# (docs/speculative-decoding.md, "The draft model's price when it does not draft"). So
+# such an exploration waits, beyond its turn, until the plain rounds since the mode's last
+# exploration took 1 / EXPLORE_SHARE times its predicted catch-up: it then costs at most
+# that share of them. A catch-up within EXPLORE_FREE_ROUNDS plain rounds' time (a short
+# prompt) explores at its turn, as any exploration does: waiting would save little, and
+# leave a draft model mispriced by one slow first call at k = 0 for a whole short request.
+EXPLORE_SHARE = 0.03
+EXPLORE_FREE_ROUNDS = 4
 MULTI_STEP_MARGIN = 0.1  # a multi-step call must be predicted this much faster than a drafting plan:
                          # it skips as many chances to re-plan as it has further rounds, and near the
                          # break-even a plan would otherwise swing to it on noise
@@ -148,6 +159,7 @@ class DraftLengthPlanner:
         self.plans = 0                  # plans computed (not held), for tests
         self._held: dict[tuple, _HeldPlan] = {}  # call (its sequences) -> its plan
         self._idle_plans: dict[str, int] = {}
+        self._idle_seconds: dict[str, float] = {}  # mode -> predicted seconds of those plans' calls
         self._backoff: dict[str, int] = {}  # mode -> its wait's multiple (``EXPLORE_BACKOFF``)
         self._follow_ups: dict[str, object] = {}  # mode -> the sequence it explored with last plan
 
@@ -364,7 +376,8 @@ class DraftLengthPlanner:
         multi-step call counts as that many plans: the wait is in rounds (at one stream,
         with several plain rounds a call, a wait in plans would outlast a request). Each
         exploration from 0 doubles its mode's wait until a plan drafts for it again
-        (``EXPLORE_BACKOFF``). A sequence that holds its anchor (``primed``) explores
+        (``EXPLORE_BACKOFF``), and a draft model's from 0 also waits for its catch-up to be
+        paid for (``EXPLORE_SHARE``). A sequence that holds its anchor (``primed``) explores
         before one that does not; where none does, the exploration waits for the next
         plan, whose call brings their anchors back. Returns the modes that will explore
         at the next plan (of a call of the same sequences): their calls bring anchors back."""
@@ -389,8 +402,11 @@ class DraftLengthPlanner:
             if len(short) < len(members) and (max(num_drafts[i] for i in members)
                                               == max(call[i].max_num_drafts for i in members)):
                 self._idle_plans[mode] = 0  # some sequence drafts the deepest allowed: every position is judged
+                self._idle_seconds[mode] = 0.0
                 continue
             self._idle_plans[mode] = self._idle_plans.get(mode, 0) + 1
+            self._idle_seconds[mode] = (self._idle_seconds.get(mode, 0.0)
+                                        + steps * self.verify_costs.predict(len(call), len(call)))
             wait = explore_wait(len(call)) * self._backoff.get(mode, 1)
             if self._idle_plans[mode] < wait:
                 if not any(num_drafts):
@@ -398,16 +414,26 @@ class DraftLengthPlanner:
                 if self._idle_plans[mode] + 1 >= wait:
                     explores_next.add(mode)
                 continue
-            deepest = max(short, key=lambda i: (num_drafts[i], call[i].primed))
+            deepest = max(short, key=lambda i: (num_drafts[i], call[i].primed, -call[i].lag))
             if num_drafts[deepest] == 0 and not call[deepest].primed:
                 explores_next.add(mode)  # its anchor first: the wait has run out, so next plan explores
                 continue
+            if num_drafts[deepest] == 0 and self._catch_up_unpaid(mode, call, call[deepest]):
+                continue
             self._idle_plans[mode] = 0
+            self._idle_seconds[mode] = 0.0
             if num_drafts[deepest] == 0:
                 self._follow_ups[mode] = call[deepest].seq_id
                 self._backoff[mode] = min(EXPLORE_BACKOFF, 2 * self._backoff.get(mode, 1))
             num_drafts[deepest] += 1
         return explores_next
+
+
+    def _catch_up_unpaid(self, mode: str, call: Sequence[DraftRequest], r: DraftRequest) -> bool:
+        """Whether exploring from 0 with ``r`` must wait for its catch-up (``EXPLORE_SHARE``)."""
+        price = catch_up_seconds(self.draft_costs, mode, r.lag)
+        free = EXPLORE_FREE_ROUNDS * self.verify_costs.predict(len(call), len(call))
+        return price > max(free, EXPLORE_SHARE * self._idle_seconds[mode])
 
 
 def _caps(modes: list[str], top: dict[str, int]) -> Iterable[tuple[int, ...]]:
