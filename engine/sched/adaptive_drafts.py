@@ -39,17 +39,16 @@ def lag(driver: SequenceDriver) -> int:
     return tokens_behind(seen, len(driver.state.tokens) - seen, driver.num_drafts)
 
 
-def catch_up(driver: SequenceDriver) -> float:
-    """Tokens a remote proposer must feed before it drafts this round beyond what one
-    round commits -- what rounds without drafts committed, or the whole context at first
-    contact -- spread over the rounds the request has left: drafting now buys every later
-    round's drafts, so a catch-up is a one-off, not this round's cost (near the end of a
-    request it is not worth it)."""
-    if not driver.remote_proposer:
+def catch_up(driver: SequenceDriver, behind: int) -> float:
+    """The tokens it is ``behind`` (``lag``: what rounds without drafts committed, or the
+    whole context at first contact) spread over the rounds the request has left: drafting
+    now buys every later round's drafts, so a catch-up is a one-off, not this round's cost
+    (near the end of a request it is not worth it)."""
+    if not behind:
         return 0.0
     state = driver.state
     left = state.options.max_new_tokens - (len(state.tokens) - state.prompt_len)
-    return lag(driver) / max(1.0, left / ROUND_TOKENS)
+    return behind / max(1.0, left / ROUND_TOKENS)
 
 
 def proposer_cold(driver: SequenceDriver) -> bool:
@@ -67,10 +66,11 @@ def primed(driver: SequenceDriver) -> bool:
 
 def draft_request(driver: SequenceDriver) -> DraftRequest:
     """A sequence's entry in its call's plan."""
-    return DraftRequest(driver.seq_id, driver.mode, most_drafts(driver), driver.adaptive, catch_up(driver),
+    behind = lag(driver)
+    return DraftRequest(driver.seq_id, driver.mode, most_drafts(driver), driver.adaptive, catch_up(driver, behind),
                         driver.ending, proposer_cold(driver),
                         driver.max_num_drafts() if driver.local_proposer is not None else 0,
-                        primed(driver), driver.draft_class, lag(driver))
+                        primed(driver), driver.draft_class, behind)
 
 
 class AdaptiveDrafts:
