@@ -346,9 +346,10 @@ def test_a_draft_model_explored_from_no_drafts_drafts_a_second_round_to_be_measu
 def test_a_draft_model_explores_a_request_it_has_not_seen_only_once_plain_rounds_pay_its_prefill():
     """Explored from k = 0 on a request it has never seen, a draft model first prefills the
     whole context: at one stream on agentic requests that cost it 7-21 % of their time. So
-    the exploration waits until the plain rounds since the last one took 1 / EXPLORE_SHARE
-    times its predicted catch-up; a request it has seen (no lag), or whose catch-up is
-    short, explores at its turn."""
+    once an exploration from 0 has not brought drafting back, the next waits until the
+    plain rounds since it took 1 / EXPLORE_SHARE times its predicted catch-up. The first
+    since the mode last drafted, or one on a request it has seen (no lag) or whose
+    catch-up is short, explores at its turn."""
     alone = int(explore_wait(1))
     dear = DraftCostTable({(1, 1): 0.05, (1, 4): 0.2, (4, 1): 0.2, (4, 4): 0.8})  # 50 ms a step: never pays
     loaded = controller({"draft_model": 0.7}, draft=dear)
@@ -356,7 +357,9 @@ def test_a_draft_model_explores_a_request_it_has_not_seen_only_once_plain_rounds
     prefill = catch_up_seconds(loaded.draft_costs, "draft_model", 600)
     round_s = loaded.verify_costs.predict(1, 1)
     due = math.ceil(prefill / (EXPLORE_SHARE * round_s))  # plain rounds that pay for it
-    assert due > 2 * alone
+    assert due > 4 * alone  # beyond the doubled wait of a second exploration from 0
+    plans = [loaded.plan([unseen]).num_drafts for _ in range(alone + 1)]
+    assert plans[alone - 1:] == [[1], [1]]  # the first at its turn: a catch-up, then a measured round
     plans = [loaded.plan([unseen]).num_drafts for _ in range(due + 1)]
     first = plans.index([1])
     assert due - 1 <= first <= due + 1 and all(plan == [0] for plan in plans[:first])

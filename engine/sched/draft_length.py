@@ -71,9 +71,12 @@ EXPLORE_BACKOFF = 32
 # (docs/speculative-decoding.md, "The draft model's price when it does not draft"). So
 # such an exploration waits, beyond its turn, until the plain rounds since the mode's last
 # exploration took 1 / EXPLORE_SHARE times its predicted catch-up: it then costs at most
-# that share of them. A catch-up within EXPLORE_FREE_ROUNDS plain rounds' time (a short
-# prompt) explores at its turn, as any exploration does: waiting would save little, and
-# leave a draft model mispriced by one slow first call at k = 0 for a whole short request.
+# that share of them. Two explorations go at their turn, as any exploration does: one
+# whose catch-up is within EXPLORE_FREE_ROUNDS plain rounds' time (a short prompt), where
+# waiting would save little; and the first since the mode last drafted (its backoff at 1),
+# which is how a draft model mispriced by one slow call recovers within a short request
+# (gated as well, it stayed at k = 0 for three requests in four on a loaded CI machine:
+# tau 1.1-1.3 against 2.8 at fixed k).
 EXPLORE_SHARE = 0.03
 EXPLORE_FREE_ROUNDS = 4
 MULTI_STEP_MARGIN = 0.1  # a multi-step call must be predicted this much faster than a drafting plan:
@@ -376,8 +379,8 @@ class DraftLengthPlanner:
         multi-step call counts as that many plans: the wait is in rounds (at one stream,
         with several plain rounds a call, a wait in plans would outlast a request). Each
         exploration from 0 doubles its mode's wait until a plan drafts for it again
-        (``EXPLORE_BACKOFF``), and a draft model's from 0 also waits for its catch-up to be
-        paid for (``EXPLORE_SHARE``). A sequence that holds its anchor (``primed``) explores
+        (``EXPLORE_BACKOFF``), and a draft model's from 0, after one that did not bring
+        drafting back, also waits for its catch-up to be paid for (``EXPLORE_SHARE``). A sequence that holds its anchor (``primed``) explores
         before one that does not; where none does, the exploration waits for the next
         plan, whose call brings their anchors back. Returns the modes that will explore
         at the next plan (of a call of the same sequences): their calls bring anchors back."""
@@ -431,6 +434,8 @@ class DraftLengthPlanner:
 
     def _catch_up_unpaid(self, mode: str, call: Sequence[DraftRequest], r: DraftRequest) -> bool:
         """Whether exploring from 0 with ``r`` must wait for its catch-up (``EXPLORE_SHARE``)."""
+        if self._backoff.get(mode, 1) == 1:
+            return False  # the mode drafted since its last exploration from 0
         price = catch_up_seconds(self.draft_costs, mode, r.lag)
         free = EXPLORE_FREE_ROUNDS * self.verify_costs.predict(len(call), len(call))
         return price > max(free, EXPLORE_SHARE * self._idle_seconds[mode])
