@@ -55,16 +55,15 @@ def default_engine() -> Engine:
 
 
 @pytest.fixture(scope="session")
-def default_model_server() -> str:
-    """The default model served as the README serves it (every head, mode "auto", adaptive
-    on), started once for every test that reads it; yields its base URL. Those tests run
-    last (``pytest_collection_modifyitems``), so this local Ray starts after every other
-    test's has shut down: one local Ray at a time."""
-    from specserve.engine.model.default_model import DEFAULT_MODEL_DIR
+def default_model_server(tmp_path_factory) -> str:
+    """The default model as the shipped ``serve_config.yaml`` serves it (every head, mode
+    "auto", adaptive on), by ``serve run`` in its own process, started once for every test
+    that reads it; yields its base URL. Those tests run last
+    (``pytest_collection_modifyitems``), so this local Ray starts after every other test's
+    has shut down: one local Ray at a time."""
+    from .serve_run import serve_run_shipped_config
 
-    args = {"model_dir": str(DEFAULT_MODEL_DIR), "served_model_name": None,
-            "engine": {"speculative": {"default_mode": "auto", "adaptive": True}}}
-    with running_server(args) as url:
+    with serve_run_shipped_config(tmp_path_factory.mktemp("serve_run"), free_port()) as url:
         yield url
 
 

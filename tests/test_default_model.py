@@ -63,11 +63,11 @@ def test_it_ships_a_head_of_every_kind_and_each_is_token_identical_to_target_onl
     assert default_engine.available_modes == ["none", *PROPOSER_MODES]
     base = GenerationOptions(max_new_tokens=NEW_TOKENS, temperature=0)
     expected = [default_engine.chat(c, base.model_copy(update={"speculative_mode": "none"})).token_ids
-                for c in chats[:6]]
+                for c in chats[:4]]
     for mode in default_engine.available_modes[1:]:
         for adaptive in (False, True):
             options = base.model_copy(update={"speculative_mode": mode, "adaptive_speculation": adaptive})
-            results = [default_engine.chat(c, options) for c in chats[:6]]
+            results = [default_engine.chat(c, options) for c in chats[:4]]
             assert [r.token_ids for r in results] == expected, (mode, adaptive)
             if not adaptive:  # a fixed k drafts every round: a trained head's drafts are accepted at times
                 assert sum(r.speculative.accepted_tokens for r in results) > 0, mode

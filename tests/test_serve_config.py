@@ -3,18 +3,12 @@
 ``deployments:`` name only deployments the builder makes (Serve would reject the
 application at deploy time otherwise, on a cluster, long after a typo was made). And
 ``serve run serve_config.yaml`` -- the design card's command -- really serves: Serve's
-CLI in its own process, its own local Ray, the official client against it."""
+CLI in its own process, its own local Ray, the official client against it: it is the
+default-model server every served test of the default model reads (``tests/serve_run.py``)."""
 from __future__ import annotations
 
-import ctypes
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 import yaml
@@ -24,8 +18,6 @@ from specserve.deployments.settings import ServeSettings
 from specserve.engine import GenerationOptions
 from specserve.engine.model.bundle import Bundle
 from specserve.engine.speculative.proposers.registry import PROPOSER_MODES
-
-from .conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,63 +50,13 @@ def test_a_shipped_config_passes_serves_schema_and_names_only_deployments_the_bu
         assert "TargetModel" in named and "Router" in named
 
 
-def test_serve_run_serves_the_shipped_config(tmp_path, default_engine):
-    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
-    port = free_port()
-    config["http_options"]["port"] = port  # the shipped file's 8000 may be taken here
-    path = tmp_path / "serve_config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    serve_cli = Path(sys.executable).parent / "serve"
-    log = tmp_path / "serve_run.log"  # a file, not a pipe: Ray's forwarded logs would fill a pipe and block it
-    # --address local: a Ray of its own, never one another test (or a developer) left running
-    with open(log, "w") as out:
-        process = subprocess.Popen([str(serve_cli), "run", "--address", "local", str(path)], cwd=ROOT, stdout=out,
-                                   stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert process.poll() is None, f"serve run exited early:\n{log.read_text()[-4000:]}"
-            try:
-                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "serve run did not become healthy in 240 s"
-            time.sleep(2)
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
-        messages = [{"role": "user", "content": "What is the capital of Japan?"}]
-        response = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=16,
-                                                  temperature=0, extra_body={"return_token_ids": True})
-        expected = default_engine.chat(messages, GenerationOptions(max_new_tokens=16, temperature=0))
-        assert response.model_extra["speculative"]["mode"] == default_engine.default_mode  # the config's "auto"
-        assert response.choices[0].model_extra["token_ids"] == expected.token_ids
-        assert response.choices[0].message.content == "The capital of Japan is Tokyo."
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGINT)  # as Ctrl-C: Serve and its Ray shut down
-            try:
-                # Usually seconds; when Serve's graceful shutdown stalls (seen in CI), the kill
-                # below ends it: the test is about serving, and a long wait costs CI minutes.
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(process.pid, signal.SIGKILL)  # whatever of its Ray is left in its process group
-        except ProcessLookupError:
-            pass
-        process.wait(timeout=30)
-
-
-try:  # resolved here, in the parent: the child between fork and exec must not import
-    _PRCTL = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-except OSError:
-    _PRCTL = None
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child: SIGTERM it if the test process dies first (a CI timeout), so no
-    ``serve run`` and its Ray outlive the test run. Linux only; elsewhere a no-op."""
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+def test_serve_run_serves_the_shipped_config(default_model_server, default_engine):
+    """The session's default-model server is ``serve run serve_config.yaml`` (``tests/serve_run.py``)."""
+    client = openai.OpenAI(base_url=f"{default_model_server}/v1", api_key="none", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "What is the capital of Japan?"}]
+    response = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=16,
+                                              temperature=0, extra_body={"return_token_ids": True})
+    expected = default_engine.chat(messages, GenerationOptions(max_new_tokens=16, temperature=0))
+    assert response.model_extra["speculative"]["mode"] == default_engine.default_mode  # the config's "auto"
+    assert response.choices[0].model_extra["token_ids"] == expected.token_ids
+    assert response.choices[0].message.content == "The capital of Japan is Tokyo."

@@ -677,7 +677,7 @@ def test_a_shared_prefix_is_reported_cached_counted_and_token_identical_in_every
 def test_schemathesis_finds_no_server_errors(server):
     """A short property-based run against /openapi.json (the README has the long one)."""
     command = [sys.executable, "-m", "schemathesis.cli", "run", f"{server}/openapi.json", "--checks",
-               "not_a_server_error", "--max-time", "25", "-n", "10", "-w", "1", "--request-timeout", "60",
+               "not_a_server_error", "--max-time", "12", "-n", "10", "-w", "1", "--request-timeout", "60",
                "--seed", "7", "-H", f"Authorization: Bearer {API_KEY}"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]

@@ -27,7 +27,7 @@ def server():
 
 
 def test_a_short_soak_in_every_mode_has_no_errors_no_drift_and_no_kv_leak(server):
-    summary = run_soak(server, concurrency=8, seconds=20, max_tokens=24, modes=MODES, check_fraction=1.0,
+    summary = run_soak(server, concurrency=8, seconds=12, max_tokens=24, modes=MODES, check_fraction=1.0,
                        shared_prefix=True)
     assert summary["requests_completed"] > 0
     assert summary["errors"] == 0, summary["error_samples"]

@@ -91,7 +91,7 @@ def test_each_graph_computes_transformers_logits_from_the_gguf(graph, transforme
 
 def test_greedy_decoding_is_transformers_greedy_on_held_out_chat_prompts(transformers_model, chat_prompts):
     """Target-only through the engine in the exact format (its step graph serving the
-    single-token calls) against ``generate(do_sample=False)``: every prompt token-identical
+    single-token calls) against ``generate(do_sample=False)``: eight prompts token-identical
     for 48 tokens or up to its end of turn (``<|im_end|>`` included on both sides). The
     fast format, the default, is measured against float32 in ``bench/fidelity.py``."""
     import torch
@@ -102,11 +102,11 @@ def test_greedy_decoding_is_transformers_greedy_on_held_out_chat_prompts(transfo
     options = GenerationOptions(max_new_tokens=NEW_TOKENS, temperature=0)
     with Engine(DEFAULT_MODEL_DIR, config) as engine:
         assert engine.target.in_place is not None and engine.target.in_place.step_session is not None
-        ours = [engine.generate(ids, options).token_ids for ids in chat_prompts]
+        ours = [engine.generate(ids, options).token_ids for ids in chat_prompts[:8]]
     with torch.no_grad():
         theirs = [model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                  max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=2)[0, len(ids):].tolist()
-                  for ids in chat_prompts]
+                  for ids in chat_prompts[:8]]
     assert ours == theirs
 
 
