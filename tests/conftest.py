@@ -69,10 +69,9 @@ def default_model_server(tmp_path_factory) -> str:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # A stable sort: the order within each group stays pytest's own.
-    # The servers last, one at a time: the exact format's, then the default one's.
+    # The default model's server last: one local Ray at a time.
     def server_order(item: pytest.Item) -> int:
-        fixtures = getattr(item, "fixturenames", ())
-        return 2 if "default_model_server" in fixtures else 1 if "exact_model_server" in fixtures else 0
+        return 1 if "default_model_server" in getattr(item, "fixturenames", ()) else 0
 
     items.sort(key=server_order)
 

@@ -138,8 +138,8 @@ def test_served_chat_names_the_model_and_matches_the_engine_in_every_mode(served
 
 
 def test_served_every_mode_at_1_and_32_streams_is_the_engines_target_only(served, default_engine, chats):
-    """The fast format (the default) through the server; the exact format's counterpart of this
-    test is in test_target_formats.py."""
+    """The fast format (the default) through the server. The exact format passes the same
+    check in-process (test_target_formats.py): the served path is the same for both."""
     served_every_mode(served, default_engine, chats[:8], streams=32, new_tokens=24)
 
 

@@ -26,7 +26,7 @@ from specserve.engine.model.onnx_model import OnnxDecoder
 from specserve.engine.model.tokenizer import TextTokenizer
 from specserve.engine.speculative.proposers.registry import PROPOSER_MODES
 
-from .conftest import CPU_CONFIG, TARGET_DIR, generate_concurrently, running_server, served_every_mode
+from .conftest import CPU_CONFIG, TARGET_DIR, generate_concurrently
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = DEFAULT_MODEL_DIR / "target"
@@ -217,19 +217,3 @@ def test_a_cpu_that_computes_rows_differently_falls_back_to_the_exact_format(mon
 def test_asking_a_bundle_without_a_fast_format_for_it_is_a_clear_load_error():
     with pytest.raises(ModelLoadError, match="no fast format"):
         Engine(TARGET_DIR.parent, CPU_CONFIG.model_copy(update={"target_format": "fast"}))
-
-
-@pytest.fixture(scope="module")
-def exact_model_server() -> str:
-    """The default model served in the exact format (every head, adaptive on). Its tests
-    run after every other test but before the default server's
-    (``pytest_collection_modifyitems``): one local Ray at a time."""
-    args = {"model_dir": str(DEFAULT_MODEL_DIR), "served_model_name": None,
-            "engine": {"target_format": "exact", "speculative": {"default_mode": "auto", "adaptive": True}}}
-    with running_server(args) as url:
-        yield url
-
-
-def test_served_in_the_exact_format_every_mode_at_1_and_32_streams_is_target_only(exact_model_server, exact_engine,
-                                                                                   chats):
-    served_every_mode(exact_model_server, exact_engine, chats[:8], streams=STREAMS, new_tokens=NEW_TOKENS)

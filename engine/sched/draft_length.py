@@ -75,8 +75,9 @@ EXPLORE_BACKOFF = 32
 # whose catch-up is within EXPLORE_FREE_ROUNDS plain rounds' time (a short prompt), where
 # waiting would save little; and the first since the mode last drafted (its backoff at 1),
 # which is how a draft model mispriced by one slow call recovers within a short request
-# (gated as well, it stayed at k = 0 for three requests in four on a loaded CI machine:
-# tau 1.1-1.3 against 2.8 at fixed k).
+# (gated as well, it stayed at k = 0 for three requests in four of
+# test_one_stream_drafts_near_the_maximum_with_every_model_proposer in CI: tau 1.1-1.3
+# against 2.8 at fixed k).
 EXPLORE_SHARE = 0.03
 EXPLORE_FREE_ROUNDS = 4
 MULTI_STEP_MARGIN = 0.1  # a multi-step call must be predicted this much faster than a drafting plan:
@@ -380,9 +381,10 @@ class DraftLengthPlanner:
         with several plain rounds a call, a wait in plans would outlast a request). Each
         exploration from 0 doubles its mode's wait until a plan drafts for it again
         (``EXPLORE_BACKOFF``), and a draft model's from 0, after one that did not bring
-        drafting back, also waits for its catch-up to be paid for (``EXPLORE_SHARE``). A sequence that holds its anchor (``primed``) explores
-        before one that does not; where none does, the exploration waits for the next
-        plan, whose call brings their anchors back. Returns the modes that will explore
+        drafting back, also waits for its catch-up to be paid for (``EXPLORE_SHARE``). A
+        sequence that holds its anchor (``primed``) explores before one that does not;
+        where none does, the exploration waits for the next plan, whose call brings their
+        anchors back. Returns the modes that will explore
         at the next plan (of a call of the same sequences): their calls bring anchors back."""
         waiting: dict[str, list[int]] = {}  # mode -> its adaptive sequences that could draft
         explores_next: set[str] = set()
