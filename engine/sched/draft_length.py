@@ -384,8 +384,8 @@ class DraftLengthPlanner:
         drafting back, also waits for its catch-up to be paid for (``EXPLORE_SHARE``). A
         sequence that holds its anchor (``primed``) explores before one that does not;
         where none does, the exploration waits for the next plan, whose call brings their
-        anchors back. Returns the modes that will explore
-        at the next plan (of a call of the same sequences): their calls bring anchors back."""
+        anchors back. Returns the modes that will explore at the next plan (of a call of
+        the same sequences): their calls bring anchors back."""
         waiting: dict[str, list[int]] = {}  # mode -> its adaptive sequences that could draft
         explores_next: set[str] = set()
         for i, r in enumerate(call):
