@@ -28,10 +28,12 @@ def _config(shape: LlamaShape, kind: str, extra: dict) -> dict:
 
 
 def data_hash(data: Path) -> str:
-    """The answers the head learnt from, as the manifest records them: the lines of
-    ``responses.jsonl`` whose answers were extracted for training, in job order."""
+    """What the head learnt from, as the manifest records it: the lines of
+    ``responses.jsonl`` and ``texts.jsonl`` whose sequences were extracted for training,
+    in job order."""
     used = {s["job"] for s in json.loads((data / "features/train/index.json").read_text())["sequences"]}
-    lines = sorted(line for line in (data / "responses.jsonl").read_text().splitlines()
+    lines = sorted(line for name in ("responses.jsonl", "texts.jsonl") if (data / name).is_file()
+                   for line in (data / name).read_text().splitlines()
                    if line.strip() and json.loads(line)["job"] in used)
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
@@ -70,7 +72,7 @@ def export_head_into(kind: str, trainer, bundle: Path, state: dict, args: argpar
         seed=args.seed, steps=state["update"], batch_size=args.batch, seq_len=args.steps, learning_rate=args.lr,
         objective=(f"soft cross-entropy to the target's top-16 next-token distribution over {len(draft_ids)} draft "
                    f"ids, {args.steps} draft steps unrolled as served (EAGLE-3's training-time test), on the "
-                   f"target's own answers (the training answers' sha256 {data_hash(args.data)})"),
+                   f"target's own answers and offline text (sha256 of the training records {data_hash(args.data)})"),
         tokens_seen=state["update"] * args.batch * args.steps, seconds=round(state["seconds"], 1))
     entry = HeadEntry(kind=kind, directory=f"heads/{kind}", onnx="model.onnx", weights=WEIGHTS_FILE,
                       config="config.json", parameters=sum(p.numel() for p in head.parameters()),
