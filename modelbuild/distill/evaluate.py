@@ -36,7 +36,10 @@ def shipped_trainer(kind: str, bundle: Path):
             continue
         scale = tensors.get(name + SCALE_SUFFIX)
         state[name] = torch.from_numpy(dequantize_blocks(value, scale) if scale is not None else value.astype(np.float32))
-    trainer.head.load_state_dict(state, strict=False)
+    missing, unexpected = trainer.head.load_state_dict(state, strict=False)
+    if missing or unexpected:  # a head measured with weights it does not hold would read as untrained
+        raise ValueError(f"{directory}: the shipped weights do not fit a {kind} head (missing {missing}, "
+                         f"unexpected {unexpected})")
     trainer.head.eval()
     t2d = torch.full((shape.vocab_size,), -1, dtype=torch.long)
     t2d[torch.from_numpy(draft_ids)] = torch.arange(len(draft_ids))

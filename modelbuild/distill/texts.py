@@ -4,7 +4,7 @@ next-token distribution there as it does over the target's answers (EAGLE-1 trai
 fixed text and reported regenerating it gained little). A position costs one batched
 forward pass instead of a generated token.
 
-    .venv/bin/python -m specserve.modelbuild.distill.texts [--bundle DIR] [--data .cache/distill] [--tokens 600000]
+    .venv/bin/python -m specserve.modelbuild.distill.texts [--bundle DIR] [--data .cache/distill] [--tokens 400000]
 
 Two sources, both on every machine that runs specserve:
 
@@ -16,7 +16,8 @@ name and the corpus's held-out files, so an evaluation never reads a document a 
 trained on. Each document is cut into chunks of ``CHUNK_TOKENS`` tokens; a chunk becomes
 one record of ``responses.jsonl``'s form (``prompt_ids``: the chat template's turns up to
 the assistant's, ``response_ids``: the chunk), written to
-``texts.jsonl``, up to ``--tokens`` per split and kind, the two kinds in equal shares.
+``texts.jsonl``: ``--tokens`` chunk tokens for training and ``--heldout-tokens`` held
+out, half of each kind.
 """
 from __future__ import annotations
 
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bundle", type=Path, default=DEFAULT_MODEL_DIR)
     parser.add_argument("--data", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--tokens", type=int, default=600_000, help="training chunk tokens, both kinds together")
+    parser.add_argument("--tokens", type=int, default=400_000, help="training chunk tokens, both kinds together")
     parser.add_argument("--heldout-tokens", type=int, default=40_000)
     args = parser.parse_args(argv)
     target = args.bundle / "target"
